@@ -1,0 +1,6 @@
+"""EAGLE speculative decoding for large language models, in MLX."""
+
+from .errors import EagleError
+from .target import Target, load_target
+
+__version__ = "0.1.0"

@@ -1,0 +1,24 @@
+"""KV cache for tree verification: append a whole tree, then keep only the accepted rows."""
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+
+class TreeKVCache(KVCache):
+    """mlx-lm's pre-allocated KV cache (grown in steps of 256 slots) plus `keep`.
+
+    A verify pass appends T tree rows after `offset`; `keep` then gathers the
+    accepted ones into contiguous slots and sets the length, without re-running
+    the model. Nothing is reallocated: the gather writes into the same buffer.
+    """
+
+    def keep(self, start: int, rows: mx.array) -> None:
+        """Move slots `rows` (absolute, each >= start) to start.. and drop the rest."""
+        n = rows.shape[0]
+        self.keys[..., start : start + n, :] = mx.take(self.keys, rows, axis=2)
+        self.values[..., start : start + n, :] = mx.take(self.values, rows, axis=2)
+        self.offset = start + n
+
+    def truncate(self, length: int) -> None:
+        """Forget everything after the first `length` slots."""
+        self.offset = min(self.offset, length)

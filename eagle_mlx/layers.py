@@ -1,0 +1,74 @@
+"""What mlx-lm's attention lacks for trees: RoPE at per-token positions and an explicit mask.
+
+Both the targets (mlx-lm modules, reused as they are) and the draft heads run their
+attention through `attention()`, so a tree of T tokens is one call whatever the model.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
+
+
+def _dynamic_ntk_freqs(rope: DynamicNTKScalingRoPE, seq_len: mx.array) -> mx.array:
+    # The same rule as mlx-lm and transformers: grow the base once the sequence
+    # (here: the largest position + 1) passes max_position_embeddings.
+    d = rope.dims
+    grown = rope.base * (
+        (rope.factor * seq_len / rope.max_position_embeddings) - (rope.factor - 1)
+    ) ** (d / (d - 2))
+    base = mx.where(seq_len > rope.max_position_embeddings, grown, rope.base)
+    return base ** (mx.arange(0, d, 2, dtype=mx.float32) / d)
+
+
+def apply_rope(rope, x: mx.array, offset: int, positions: Optional[mx.array]) -> mx.array:
+    """Rotate `x` [B, heads, T, D] at positions offset..offset+T-1, or at `positions` [T].
+
+    Per-token positions use the fast kernel's per-batch offsets: the T tokens become
+    T batch rows of length 1 (batch size 1 only, which is what decoding runs).
+    """
+    if positions is None:
+        return rope(x, offset=offset)
+    if x.shape[0] != 1:
+        raise ValueError("per-token positions need batch size 1")
+    xt = x.transpose(2, 1, 0, 3)  # [T, heads, 1, D]
+    if isinstance(rope, DynamicNTKScalingRoPE):
+        freqs = _dynamic_ntk_freqs(rope, positions.max() + 1)
+        out = mx.fast.rope(
+            xt, rope.dims, traditional=rope.traditional, base=None, scale=1.0,
+            offset=positions, freqs=freqs,
+        )
+    else:
+        out = rope(xt, offset=positions)
+    return out.transpose(2, 1, 0, 3)
+
+
+def attention(
+    attn,
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    n_heads: int,
+    n_kv_heads: int,
+    cache=None,
+    positions: Optional[mx.array] = None,
+    mask=None,
+) -> mx.array:
+    """Rotary attention for already projected q/k/v [B, T, heads*D] -> [B, T, heads*D].
+
+    `attn` provides `rope` and `scale`. `mask` is None/"causal" or a boolean array
+    [T, cache length + T] (True = may attend) broadcast over batch and heads.
+    """
+    B, T, _ = queries.shape
+    q = queries.reshape(B, T, n_heads, -1).transpose(0, 2, 1, 3)
+    k = keys.reshape(B, T, n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = values.reshape(B, T, n_kv_heads, -1).transpose(0, 2, 1, 3)
+    offset = cache.offset if cache is not None else 0
+    q = apply_rope(attn.rope, q, offset, positions)
+    k = apply_rope(attn.rope, k, offset, positions)
+    if cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+    if mask is None and T > 1:
+        mask = "causal"
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
+    return out.transpose(0, 2, 1, 3).reshape(B, T, -1)

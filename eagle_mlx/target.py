@@ -1,0 +1,175 @@
+"""Tree-capable targets: mlx-lm's Llama and Mixtral models, verified a whole tree at a time.
+
+mlx-lm builds and loads the model (HF folders, sharded and mlx-community checkpoints,
+quantized weights, the tokenizer with its chat template). `Target` runs the same
+modules with what verification needs and mlx-lm's forward lacks: per-token position
+ids, an explicit mask over cache + new tokens, the post-norm hidden state (EAGLE-1/2
+features) and the inputs of chosen decoder layers (EAGLE-3 features).
+"""
+
+import glob
+import json
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import TreeKVCache
+from .errors import EagleError
+from .hub import resolve
+from .layers import attention
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral")
+
+
+class Target:
+    """A loaded mlx-lm model plus the tree forward pass."""
+
+    def __init__(self, model: nn.Module, config: dict, path: Optional[Path] = None):
+        self.model = model
+        self.config = config
+        self.path = path
+        self.layers = model.layers
+        self.num_layers = len(self.layers)
+        self.hidden_size = config["hidden_size"]
+        self.vocab_size = config["vocab_size"]
+        self.model_type = config["model_type"]
+        self.max_context = int(config.get("max_position_embeddings") or 4096)
+        attn = self.layers[0].self_attn
+        self.n_heads = getattr(attn, "n_heads", None) or attn.num_heads
+        self.n_kv_heads = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.model.embed_tokens
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.model.model.norm.weight.dtype
+
+    @property
+    def eagle3_taps(self) -> Tuple[int, ...]:
+        """Decoder layers whose inputs feed an EAGLE-3 head: low, middle, high."""
+        L = self.num_layers
+        return tuple(sorted({2, L // 2, L - 3}))
+
+    def make_cache(self) -> List[TreeKVCache]:
+        return [TreeKVCache() for _ in self.layers]
+
+    def lm_head(self, hidden: mx.array) -> mx.array:
+        if hasattr(self.model, "lm_head"):
+            return self.model.lm_head(hidden)
+        return self.embed_tokens.as_linear(hidden)
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        cache: Optional[Sequence[TreeKVCache]] = None,
+        positions: Optional[mx.array] = None,
+        mask=None,
+        taps: Sequence[int] = (),
+    ) -> Tuple[mx.array, List[mx.array]]:
+        """Run `tokens` [B, T] after what `cache` holds.
+
+        positions: [T] position ids (default: cache length + 0..T-1).
+        mask: boolean [T, cache length + T], True where a token may attend
+              (default: causal). A tree passes its ancestor mask here.
+        taps: decoder layers whose *input* hidden states to return (EAGLE-3).
+        Returns the final hidden state after the last RMSNorm [B, T, H] and the
+        tapped states in the order of `taps`; logits are `lm_head(hidden)`.
+        """
+        h = self.embed_tokens(tokens)
+        cache = cache if cache is not None else [None] * self.num_layers
+        tapped = {}
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            if i in taps:
+                tapped[i] = h
+            h = self._layer(layer, h, c, positions, mask)
+        return self.model.model.norm(h), [tapped[i] for i in taps]
+
+    def _layer(self, layer, h, cache, positions, mask):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        r = attention(
+            attn, attn.q_proj(x), attn.k_proj(x), attn.v_proj(x),
+            self.n_heads, self.n_kv_heads, cache, positions, mask,
+        )
+        h = h + attn.o_proj(r)
+        ffn = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
+        return h + ffn(layer.post_attention_layernorm(h))
+
+
+def read_config(path: Path, what: str = "model") -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise EagleError(
+            f"{what} folder {path} has no config.json; expected a Hugging Face or MLX "
+            "model folder."
+        )
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EagleError(f"{config_file} is not valid JSON ({e}).") from None
+    if not isinstance(config, dict):
+        raise EagleError(f"{config_file} does not hold a JSON object.")
+    return config
+
+
+def _check_weight_files(path: Path) -> None:
+    if not glob.glob(str(path / "model*.safetensors")):
+        raise EagleError(f"model folder {path} has no model*.safetensors weight files.")
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise EagleError(f"{index_file} is not a valid safetensors index.") from None
+        for name in sorted(set(weight_map.values())):
+            if not (path / name).is_file():
+                raise EagleError(
+                    f"weight file {name} listed in {index_file} is missing from {path}."
+                )
+
+
+def _rope_overrides(config: dict) -> dict:
+    """transformers >= 5 saves RoPE settings as `rope_parameters`; mlx-lm reads the
+    classic `rope_theta` / `rope_scaling` keys, so translate the new form."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" in config:
+        return {}
+    params = dict(params)
+    overrides = {"rope_theta": params.pop("rope_theta", 10000.0)}
+    if params.get("rope_type", "default") != "default":
+        overrides["rope_scaling"] = params
+    return overrides
+
+
+def load_target(path_or_repo: str, lazy: bool = False):
+    """Load a Llama/Mixtral target and its tokenizer from a folder or a Hub repo id.
+
+    Returns (Target, mlx-lm TokenizerWrapper).
+    """
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    path = resolve(path_or_repo, "model")
+    config = read_config(path)
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise EagleError(
+            f"model type '{model_type}' in {path / 'config.json'} is not supported; "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    _check_weight_files(path)
+    try:
+        model, config = load_model(path, lazy=lazy, model_config=_rope_overrides(config))
+    except Exception as e:  # mlx-lm raises ValueError/KeyError/RuntimeError on bad weights
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EagleError(f"could not load the weights in {path}: {reason}") from None
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EagleError(f"could not load the tokenizer in {path}: {reason}") from None
+    return Target(model, config, path), tokenizer

@@ -1,0 +1,44 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import make_hf_model  # noqa: E402
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+}
+
+# name -> (kind, overrides): the target shapes the product claims to support.
+TINY_TARGETS = {
+    "llama2_mha": ("llama", dict(num_hidden_layers=4)),
+    "llama3_gqa": ("llama", dict(
+        num_hidden_layers=8, num_key_value_heads=2, rope_theta=500000.0,
+        rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True)),
+    "llama_bias_linear": ("llama", dict(
+        num_hidden_layers=3, attention_bias=True, head_dim=32,
+        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama_dynamic": ("llama", dict(
+        num_hidden_layers=2, max_position_embeddings=32,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    "mixtral": ("mixtral", dict(
+        num_hidden_layers=2, num_key_value_heads=2, rope_theta=1e6,
+        intermediate_size=96)),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """tiny_dir(name) -> folder of a saved transformers model (built once per session)."""
+    made = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            kind, overrides = TINY_TARGETS[name]
+            made[name] = make_hf_model(tmp_path_factory.mktemp(name), kind, **overrides)
+        return made[name]
+
+    return get

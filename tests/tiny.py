@@ -1,0 +1,80 @@
+"""Tiny models built locally with transformers (the independent reference), and the oracle."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ORACLE = ROOT.parent / "shared" / "oracle"
+requires_oracle = pytest.mark.skipif(
+    not (ORACLE / "reference.json").is_file(),
+    reason=f"the official EAGLE reference fixture is absent ({ORACLE} not found)",
+)
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant {% endif %}"
+)
+
+
+def oracle_reference() -> dict:
+    with open(ORACLE / "reference.json") as f:
+        return json.load(f)
+
+
+def save_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over 't3'..'t{V-1}' plus <unk>, <s>, </s> and role words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    words = ["user", "assistant", "system"]
+    for i in range(3, vocab_size):
+        vocab[words[i - 3] if i - 3 < len(words) else f"t{i}"] = i
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<unk>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+
+
+def make_hf_model(folder: Path, kind: str = "llama", seed: int = 0, scale: float = 8.0,
+                  **overrides) -> Path:
+    """Save a random transformers Llama/Mixtral (float32) with a tokenizer to `folder`.
+
+    `scale` multiplies the embedding and lm_head so greedy paths vary and top-1/top-2
+    gaps stay far above float32 rounding.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    common.update(overrides)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "mixtral":
+        common.setdefault("num_local_experts", 4)
+        common.setdefault("num_experts_per_tok", 2)
+        model = MixtralForCausalLM(MixtralConfig(**common))
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(scale)
+        if not common["tie_word_embeddings"]:
+            model.lm_head.weight.mul_(scale * 2)
+    model = model.float().eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    save_tokenizer(folder, common["vocab_size"])
+    return folder
