@@ -4,3 +4,5 @@ from .errors import EagleError
 from .target import Target, load_target
 
 __version__ = "0.1.0"
+from .generate import GenerationResponse, generate, stream_generate
+from .model import EagleModel, load

@@ -107,6 +107,7 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
         weights["d2t"] = weights["d2t"].astype(mx.int64)
     head.load_weights(list(weights.items()))
     head.eval()
+    head.source_path = path
     if embed is not None and tuple(embed.shape) != (args.vocab_size, args.hidden_size):
         raise EagleError(
             f"embed_tokens.weight in {path} has shape {tuple(embed.shape)}, but the head "

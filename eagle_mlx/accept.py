@@ -1,0 +1,68 @@
+"""Accepting drafted tokens after the verify pass (docs/eagle.md §1 step 4).
+
+Both rules work on whole trees at once (no walk over nodes in Python) and return, as
+device scalars, the deepest accepted node and the token that follows it (the bonus
+token). The accepted nodes are that node's ancestors.
+
+Greedy: a node is accepted when every node on its path equals the target's argmax at
+its parent. Output is exactly the target's greedy decoding.
+
+Sampling: recursive rejection sampling with deterministic (top-k) drafts, q(x) = 1.
+At node u with target distribution p and children c1, c2, ... tried in order, c_j is
+accepted with probability p(c_j) / (1 - p(c_1) - ... - p(c_{j-1})) — the official
+"accept with p(x), else zero p(x) and renormalise" — and if none is accepted the next
+token comes from p with all children zeroed. The output distribution is the target's.
+"""
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+from .tree import Tree
+
+
+def process_logits(logits: mx.array, temp: float, top_p: float = 1.0, top_k: int = 0) -> mx.array:
+    """Target logits [..., V] -> normalised log-probabilities after temperature, top-k, top-p."""
+    logprobs = logits.astype(mx.float32) / temp
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    if 0 < top_k < logits.shape[-1]:
+        logprobs = apply_top_k(logprobs, top_k)
+    if 0 < top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+
+
+def _deepest(tree: Tree, node_ok: mx.array) -> mx.array:
+    """Deepest node whose whole root path is ok (the root always is)."""
+    accepted = ~(tree.anc & ~node_ok[None, :]).any(axis=1)
+    return mx.argmax(mx.where(accepted, tree.depth, -1))
+
+
+def accept_greedy(tree: Tree, logits: mx.array):
+    """logits [N, V] of the tree nodes -> (deepest accepted node, bonus token)."""
+    best_next = logits.argmax(axis=-1)
+    is_root = mx.arange(tree.tokens.shape[0]) == 0
+    node_ok = is_root | (tree.tokens == best_next[tree.parents])
+    best = _deepest(tree, node_ok)
+    return best, best_next[best]
+
+
+def accept_sampling(tree: Tree, logprobs: mx.array):
+    """logprobs [N, V] (processed target distributions) -> (deepest accepted node, next token)."""
+    n = tree.tokens.shape[0]
+    probs = mx.exp(logprobs)
+    idx = mx.arange(n)
+    p_draft = probs[tree.parents, tree.tokens]                    # p_parent(x) of each node
+    earlier_sibling = ((tree.parents[None, :] == tree.parents[:, None])
+                       & (idx[None, :] < idx[:, None]) & (idx[None, :] > 0))
+    mass_before = (earlier_sibling * p_draft[None, :]).sum(axis=1)
+    left = 1.0 - mass_before
+    ratio = mx.where(left > 0, p_draft / mx.maximum(left, 1e-30), 0.0)
+    passed = mx.random.uniform(shape=(n,)) < ratio
+    # tried in order: a node is taken only when no earlier sibling was
+    taken = passed & ~(earlier_sibling & passed[None, :]).any(axis=1)
+    best = _deepest(tree, taken | (idx == 0))
+    children = (tree.parents == best) & (idx > 0)
+    zeroed = mx.zeros((probs.shape[-1],)).at[tree.tokens].add(children.astype(mx.float32)) > 0
+    residual = mx.where(zeroed, 0.0, probs[best])
+    residual = mx.where(residual.sum() > 0, residual, probs[best])
+    return best, mx.random.categorical(mx.log(residual))

@@ -1,0 +1,57 @@
+"""`load`: a target, optionally paired with an EAGLE head, ready for `stream_generate`."""
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+from .convert import load_head
+from .errors import EagleError
+from .target import Target, load_target
+
+# Tree defaults for Apple Silicon: verifying costs more per extra token on a Mac than on a
+# datacentre GPU, so the tree is small (the official 60 nodes / depth 7 / top-10 is tuned
+# for A100s). 16 nodes, depth 4, top-4 is the official code's small setting; the benchmark
+# measures this machine's verify cost curve and stores a better choice next to the head.
+DEFAULT_TREE = {"total_tokens": 16, "depth": 4, "draft_top_k": 4}
+TUNING_FILE = "eagle_tuning.json"
+
+
+@dataclass
+class EagleModel:
+    target: Target
+    head: Optional[object] = None
+    head_path: Optional[str] = None
+    tuning: Optional[dict] = None  # tree chosen by the benchmark for this machine
+
+    def tree_settings(self) -> dict:
+        settings = dict(DEFAULT_TREE)
+        if self.tuning:
+            settings.update({k: self.tuning[k] for k in DEFAULT_TREE if k in self.tuning})
+        return settings
+
+
+def _read_tuning(head_path) -> Optional[dict]:
+    if head_path is None:
+        return None
+    f = head_path / TUNING_FILE
+    if not f.is_file():
+        return None
+    try:
+        tuning = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise EagleError(f"{f} is not valid JSON ({e}).") from None
+    return tuning if isinstance(tuning, dict) else None
+
+
+def load(target: str, eagle: Optional[str] = None, lazy: bool = False):
+    """Load a target (folder or Hugging Face repo id) and, optionally, its EAGLE head.
+
+    `eagle` may be a converted MLX head folder or a published PyTorch one (converted in
+    memory). Returns (EagleModel, tokenizer); with eagle=None decoding is plain.
+    """
+    t, tokenizer = load_target(target, lazy=lazy)
+    if eagle is None:
+        return EagleModel(t), tokenizer
+    head = load_head(eagle, t)
+    path = head.source_path
+    return EagleModel(t, head, str(path), _read_tuning(path)), tokenizer

@@ -1,0 +1,205 @@
+"""Drafting a tree with an EAGLE head (docs/eagle.md §1 step 2).
+
+Both trees come out in the same form, ready for one verify pass:
+  tokens  [N]  target token ids, node 0 = the root (the last sampled token)
+  parents [N]  parent node of each node (the root is its own parent); parents precede children
+  anc     [N, N] ancestor-or-self mask: the tree attention mask
+  depth   [N]  distance from the root: the position offset of each node
+
+The dynamic tree (EAGLE-2) grows `depth` levels keeping the best `draft_top_k` frontier
+nodes by cumulative log-probability, then keeps the `total_tokens - 1` best nodes of the
+whole pool. The static tree (EAGLE-1) drafts the fixed `tree_choices` level by level.
+Everything is built as lazy MLX graphs: one head call per level, no loop over nodes.
+"""
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+# The static tree of the official EAGLE-1 code (eagle-llm's `mc_sim_7b_63`): 25 nodes + root.
+MC_SIM_7B_63 = [
+    [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
+]
+
+
+@dataclass
+class Tree:
+    tokens: mx.array
+    parents: mx.array
+    anc: mx.array
+    depth: mx.array
+
+
+def _topk(x: mx.array, k: int):
+    """The k largest entries of the last axis, largest first: (indices, values)."""
+    idx = mx.argpartition(-x, kth=k - 1, axis=-1)[..., :k]
+    vals = mx.take_along_axis(x, idx, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+
+
+def _log_softmax(x: mx.array) -> mx.array:
+    x = x.astype(mx.float32)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def ancestors(parents: mx.array, max_depth: int) -> mx.array:
+    """Ancestor-or-self mask from parent pointers (root = its own parent)."""
+    n = parents.shape[0]
+    eye = mx.eye(n, dtype=mx.bool_)
+    anc = eye
+    for _ in range(max_depth):  # pointer jumping one level at a time: depth, not nodes
+        anc = eye | anc[parents]
+    return anc
+
+
+def _tree_step_mask(stable: int, tree_mask: mx.array) -> mx.array:
+    k = tree_mask.shape[0]
+    return mx.concatenate([mx.ones((k, stable), dtype=mx.bool_), tree_mask], axis=1)
+
+
+def draft_dynamic(head, target, cache, features: mx.array, tokens: mx.array, root: mx.array,
+                  total_tokens: int, depth: int, top_k: int) -> Tree:
+    """EAGLE-2 dynamic tree, exactly as the official `topK_genrate` builds it.
+
+    features [m, F] paired with tokens [m] are the positions the head has not seen
+    (feature i with token i+1, the last pair being (f_last, root)). `cache` keeps
+    only real positions: the tree levels are dropped again before returning.
+    """
+    embed = target.embed_tokens
+    out = head(features[None], tokens[None], embed, cache)
+    stable = cache.offset
+    last = out[:, -1:]                                         # [1, 1, H]
+    ids, scores = _topk(_log_softmax(head.logits(last[0, 0], target)), top_k)
+    ids = head.to_target_ids(ids)
+    scores_list, tokens_list = [scores], [ids]
+    parents_list = [mx.zeros((1,), dtype=mx.int32)]
+    hidden = mx.repeat(last, top_k, axis=1)                    # [1, k, H] frontier features
+    frontier = ids                                             # [k] frontier tokens
+    tree_mask = mx.eye(top_k, dtype=mx.bool_)                  # frontier x drafted levels
+    chosen = mx.arange(top_k)                                  # frontier's place in its level
+    for level in range(depth):
+        positions = mx.full((top_k,), stable + level, dtype=mx.int32)
+        out = head(hidden, frontier[None], embed, cache, positions=positions,
+                   mask=_tree_step_mask(stable, tree_mask))    # [1, k, H]
+        # node ids count 1 + flat index into concat(scores_list): level 0 has k nodes,
+        # every later level k*k candidates
+        bias = 1 + top_k * top_k * max(0, level - 1) + (top_k if level > 0 else 0)
+        parents_list.append(chosen + bias)
+        child_ids, child_lp = _topk(_log_softmax(head.logits(out[0], target)), top_k)  # [k, k]
+        cum = child_lp + scores[:, None]
+        chosen, scores = _topk(cum.reshape(-1), top_k)
+        from_node = chosen // top_k
+        hidden = out[:, from_node]
+        child_ids = head.to_target_ids(child_ids).reshape(-1)
+        frontier = child_ids[chosen]
+        tokens_list.append(child_ids)
+        scores_list.append(cum.reshape(-1))
+        tree_mask = mx.concatenate([tree_mask[from_node], mx.eye(top_k, dtype=mx.bool_)], axis=1)
+    cache.truncate(stable)
+
+    # rerank: the total_tokens - 1 best of the pool, in pool order (parents first)
+    all_scores = mx.concatenate(scores_list)
+    n = total_tokens - 1
+    keep = mx.sort(mx.argpartition(-all_scores, kth=n - 1)[:n])
+    node_tokens = mx.concatenate(tokens_list)[keep]
+    pool_parent = mx.concatenate(parents_list)[keep // top_k]  # 0 = root, else 1 + pool index
+    # a parent's place among the kept nodes (searchsorted), +1 for the root in front
+    parent_node = (keep[None, :] < (pool_parent - 1)[:, None]).sum(axis=1) + 1
+    parent_node = mx.where(pool_parent == 0, 0, parent_node)
+    parents = mx.concatenate([mx.zeros((1,), dtype=parent_node.dtype), parent_node])
+    tokens = mx.concatenate([root.reshape(1).astype(node_tokens.dtype), node_tokens])
+    anc = ancestors(parents, depth + 1)
+    return Tree(tokens, parents, anc, anc.sum(axis=1) - 1)
+
+
+class StaticTree:
+    """An EAGLE-1 tree given as paths of child ranks (`tree_choices`), drafted level by level
+    as the official EAGLE-1 code does: every node with children is fed to the head once."""
+
+    def __init__(self, tree_choices: Sequence[Sequence[int]], top_k: int):
+        choices = sorted((tuple(c) for c in tree_choices), key=lambda c: (len(c), c))
+        if not choices or len(set(choices)) != len(choices):
+            raise ValueError("tree_choices must be a non-empty list of distinct paths")
+        index = {(): 0}
+        for i, c in enumerate(choices):
+            if c[:-1] not in index:
+                raise ValueError(f"tree_choices has {list(c)} but not its parent {list(c[:-1])}")
+            if not all(0 <= r < top_k for r in c):
+                raise ValueError(f"tree_choices path {list(c)} uses a rank >= draft_top_k {top_k}")
+            index[c] = i + 1
+        self.top_k = top_k
+        self.max_depth = max(len(c) for c in choices)
+        has_children = {c[:-1] for c in choices}
+        # fed[d]: nodes of depth d+1 that have children, in tree order (fed at draft step d)
+        self.fed = [[c for c in choices if len(c) == d + 1 and c in has_children]
+                    for d in range(self.max_depth - 1)]
+        rank = {(): 0}
+        for level in self.fed:
+            rank.update({c: i for i, c in enumerate(level)})
+        # node tokens: per depth d, flat index into the top-k of the parents fed at step d-1
+        self.token_index = [
+            mx.array([rank[c[:-1]] * top_k + c[-1] for c in choices if len(c) == d])
+            for d in range(1, self.max_depth + 1)
+        ]
+        # each fed node's feature: the head output at its parent (for depth 1: the last position)
+        self.hidden_index = [mx.array([rank[c[:-1]] for c in level]) for level in self.fed]
+        self.fed_token_index = [mx.array([rank[c[:-1]] * top_k + c[-1] for c in level])
+                                for level in self.fed]
+        self.step_masks = []
+        for d, level in enumerate(self.fed):
+            cols = [c for lv in self.fed[: d + 1] for c in lv]
+            m = np.array([[col == c[: len(col)] for col in cols] for c in level], dtype=bool)
+            self.step_masks.append(mx.array(m))
+        parents = [0] + [index[c[:-1]] for c in choices]
+        self.parents = mx.array(parents)
+        self.anc = ancestors(self.parents, self.max_depth)
+        self.depth = mx.array([0] + [len(c) for c in choices])
+        self.size = len(choices) + 1
+
+    def draft(self, head, target, cache, features, tokens, root) -> Tree:
+        embed = target.embed_tokens
+        out = head(features[None], tokens[None], embed, cache)
+        stable = cache.offset
+        logits = head.logits(out[0, -1:], target)              # [1, V]
+        topk_ids = [head.to_target_ids(_topk(logits, self.top_k)[0])]   # per step: [parents, k]
+        hidden = out[:, -1:]
+        for d, level in enumerate(self.fed):
+            hidden = hidden[:, self.hidden_index[d]]            # [1, fed, H]
+            toks = topk_ids[-1].reshape(-1)[self.fed_token_index[d]]
+            positions = mx.full((len(level),), stable + d, dtype=mx.int32)
+            out = head(hidden, toks[None], embed, cache, positions=positions,
+                       mask=_tree_step_mask(stable, self.step_masks[d]))
+            hidden = out
+            topk_ids.append(head.to_target_ids(_topk(head.logits(out[0], target), self.top_k)[0]))
+        cache.truncate(stable)
+        node_tokens = [topk_ids[d].reshape(-1)[self.token_index[d]] for d in range(self.max_depth)]
+        tokens = mx.concatenate([root.reshape(1).astype(node_tokens[0].dtype)] + node_tokens)
+        return Tree(tokens, self.parents, self.anc, self.depth)
+
+
+def retrieve_indices(parents: List[int], leaf_order: str = "index") -> List[List[int]]:
+    """Root-to-leaf node paths padded with -1 (the official `retrieve_indices`).
+
+    leaf_order "index": leaves by node index (EAGLE-2 greedy); "sorted": paths sorted
+    with -1 counted as largest (EAGLE-1, and EAGLE-2 when sampling)."""
+    n = len(parents)
+    has_child = set(parents[1:])
+    paths = []
+    for i in range(n):
+        if i in has_child:
+            continue
+        path, j = [i], i
+        while j != 0:
+            j = parents[j]
+            path.append(j)
+        paths.append(path[::-1])
+    width = max(len(p) for p in paths)
+    paths = [p + [-1] * (width - len(p)) for p in paths]
+    if leaf_order == "sorted":
+        paths.sort(key=lambda p: [x if x >= 0 else n + 5 for x in p])
+    return paths
