@@ -78,3 +78,49 @@ def make_hf_model(folder: Path, kind: str = "llama", seed: int = 0, scale: float
     model.save_pretrained(folder, safe_serialization=True)
     save_tokenizer(folder, common["vocab_size"])
     return folder
+
+
+def make_eagle_head(folder: Path, target_folder: Path, kind: str = "eagle1", seed: int = 0,
+                    draft_vocab_size: int = 0, std: float = 0.3) -> Path:
+    """A random EAGLE head (published PyTorch layout) sized for the target in `target_folder`."""
+    import torch
+
+    tcfg = json.loads((target_folder / "config.json").read_text())
+    H, V = tcfg["hidden_size"], tcfg["vocab_size"]
+    nh, nkv, inter = 4, 2, 2 * H
+    D = H // nh
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g) * std  # noqa: E731
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
+           "intermediate_size": inter, "num_attention_heads": nh, "num_key_value_heads": nkv,
+           "vocab_size": V, "rms_norm_eps": 1e-6, "num_hidden_layers": 1,
+           "max_position_embeddings": 2048, "rope_theta": 10000.0}
+    if kind == "eagle1":
+        cfg["bias"] = True
+        p = "layers.0."
+        sd = {"fc.weight": r(H, 2 * H), "fc.bias": r(H), p + "self_attn.q_proj.weight": r(H, H),
+              p + "self_attn.k_proj.weight": r(nkv * D, H), p + "self_attn.v_proj.weight": r(nkv * D, H),
+              p + "self_attn.o_proj.weight": r(H, H), p + "post_attention_layernorm.weight": 1 + r(H)}
+        in_dims = H
+    else:
+        vd = draft_vocab_size or V
+        cfg["draft_vocab_size"] = vd
+        p = "midlayer."
+        sd = {"fc.weight": r(H, 3 * H), "norm.weight": 1 + r(H), "lm_head.weight": r(vd, H) * 10,
+              p + "hidden_norm.weight": 1 + r(H), p + "input_layernorm.weight": 1 + r(H),
+              p + "post_attention_layernorm.weight": 1 + r(H),
+              p + "self_attn.q_proj.weight": r(H, 2 * H), p + "self_attn.k_proj.weight": r(nkv * D, 2 * H),
+              p + "self_attn.v_proj.weight": r(nkv * D, 2 * H), p + "self_attn.o_proj.weight": r(H, H)}
+        if vd < V:
+            chosen = torch.sort(torch.randperm(V - 3, generator=g)[:vd] + 3).values
+            sd["d2t"] = (chosen - torch.arange(vd)).long()
+            t2d = torch.zeros(V, dtype=torch.bool)
+            t2d[chosen] = True
+            sd["t2d"] = t2d
+        in_dims = H
+    sd.update({p + "mlp.gate_proj.weight": r(inter, in_dims), p + "mlp.up_proj.weight": r(inter, in_dims),
+               p + "mlp.down_proj.weight": r(H, inter)})
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(sd, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder

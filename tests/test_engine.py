@@ -1,0 +1,352 @@
+"""The speculative loop: official parity, losslessness (greedy and sampling), edge cases."""
+
+import itertools
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import eagle_mlx
+from eagle_mlx import EagleError, speculative
+from eagle_mlx.speculative import SamplingParams, eagle_steps
+from eagle_mlx.tree import MC_SIM_7B_63, StaticTree, retrieve_indices
+from tiny import ORACLE, make_eagle_head, make_hf_model, oracle_reference, requires_oracle
+
+
+def _oracle_cases():
+    if not (ORACLE / "reference.json").is_file():
+        return [pytest.param(None, marks=requires_oracle)]
+    ref = oracle_reference()
+    cases = []
+    for family in ("llama", "mixtral"):
+        for group in ("eagle1_pip", "eagle2_github", "eagle3_github"):
+            if group not in ref[family]:
+                continue
+            settings = ref[family][group]
+            for s, setting in enumerate([settings] if group == "eagle1_pip" else settings):
+                for i in range(len(setting["runs"])):
+                    cases.append(pytest.param((family, group, s, i), id=f"{family}-{group}-{s}-{i}"))
+    return cases
+
+
+_loaded = {}
+
+
+def oracle_model(family, head):
+    key = (family, head)
+    if key not in _loaded:
+        _loaded[key] = eagle_mlx.load(str(ORACLE / family / "target"), eagle=str(ORACLE / family / head))
+    return _loaded[key]
+
+
+@requires_oracle
+@pytest.mark.parametrize("case", _oracle_cases())
+def test_official_parity(case):
+    family, group, s, i = case
+    ref = oracle_reference()[family][group]
+    setting = ref if group == "eagle1_pip" else ref[s]
+    run = setting["runs"][i]
+    head = "eagle3_head" if group == "eagle3_github" else "eagle1_head"
+    model, tokenizer = oracle_model(family, head)
+    if group == "eagle1_pip":
+        kw = dict(tree_choices=setting["tree_choices"], draft_top_k=setting["draft_top_k"])
+    else:
+        st = setting["settings"]
+        kw = dict(total_tokens=st["total_token"], depth=st["depth"], draft_top_k=st["top_k"])
+    n = len(run["output_tokens"])
+    responses = list(eagle_mlx.stream_generate(model, tokenizer, run["prompt"], max_tokens=n, **kw))
+    out = [t for r in responses for t in r.tokens]
+    # the official loop overshoots max_new_tokens; we stop exactly
+    assert out == run["output_tokens"][: len(out)] and len(out) == n
+    accepted = [r.accept_length for r in responses if r.accept_length is not None]
+    assert accepted == run["accept_lengths"][: len(accepted)]
+    assert responses[0].accept_length is None and responses[-1].finish_reason == "length"
+
+    steps = eagle_steps(model.target, model.head, run["prompt"], SamplingParams(),
+                        kw.get("total_tokens", 0), kw.get("depth", 0), kw["draft_top_k"],
+                        kw.get("tree_choices"), trace=True)
+    next(steps)
+    for expected in run["steps"]:
+        tree = next(steps).tree
+        if group == "eagle1_pip":
+            assert tree["tokens"] == expected["tree_tokens"]
+        else:
+            assert tree["tokens"] == expected["draft_tokens"]
+            assert tree["parents"][1:] == expected["tree_parents"][1:]
+            assert tree["depth"] == expected["tree_position_ids"]
+            assert retrieve_indices(tree["parents"]) == expected["retrieve_indices"]
+
+
+@requires_oracle
+def test_static_tree_buffers_match_the_official_ones():
+    ref = oracle_reference()["llama"]["eagle1_pip"]
+    assert MC_SIM_7B_63 == ref["tree_choices"]
+    tree = StaticTree(ref["tree_choices"], ref["draft_top_k"])
+    verify = ref["tree_buffers"]["verify"]
+    assert np.array(tree.anc).astype(int).tolist() == verify["tree_attn_mask"]
+    assert np.array(tree.depth).tolist() == verify["tree_position_ids"]
+    assert retrieve_indices(np.array(tree.parents).tolist(), "sorted") == verify["retrieve_indices"]
+    draft = ref["tree_buffers"]["draft"]
+    assert [np.array(m).astype(int).tolist() for m in tree.step_masks] == draft["attn_mask"][: len(tree.step_masks)]
+
+
+# ------------------------------------------------------------ greedy is exactly plain greedy
+
+@pytest.fixture(scope="module")
+def random_pairs(tmp_path_factory):
+    """Random targets with random heads: few drafts are accepted, so every branch of the
+    acceptance code (reject at root, partial paths, bonus tokens) runs."""
+    from mlx_lm import convert
+
+    root = tmp_path_factory.mktemp("pairs")
+    pairs = {}
+    llama = make_hf_model(root / "llama", "llama", seed=5, num_hidden_layers=8,
+                          num_key_value_heads=2, vocab_size=64, scale=4.0)
+    mixtral = make_hf_model(root / "mixtral", "mixtral", seed=6, num_hidden_layers=2,
+                            num_key_value_heads=2, vocab_size=64, intermediate_size=96, scale=4.0)
+    q4 = root / "llama-q4"
+    convert(str(llama), mlx_path=str(q4), quantize=True, q_bits=4, q_group_size=32)
+    pairs["llama-eagle1"] = (llama, make_eagle_head(root / "h1", llama, "eagle1", seed=1))
+    pairs["llama-eagle3"] = (llama, make_eagle_head(root / "h3", llama, "eagle3", seed=2,
+                                                    draft_vocab_size=40))
+    pairs["mixtral-eagle1"] = (mixtral, make_eagle_head(root / "hm", mixtral, "eagle1", seed=3))
+    pairs["llama4bit-eagle1"] = (q4, pairs["llama-eagle1"][1])
+    return pairs
+
+
+def plain_greedy(model_dir, prompt, n):
+    model, tok = eagle_mlx.load(str(model_dir))
+    return [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=n) for t in r.tokens]
+
+
+TREES = [dict(total_tokens=8, depth=2, draft_top_k=2), dict(total_tokens=40, depth=6, draft_top_k=5),
+         dict(total_tokens=80, depth=8, draft_top_k=8), dict(total_tokens=2, depth=1, draft_top_k=1),
+         dict(tree_choices=MC_SIM_7B_63, draft_top_k=4)]
+
+
+@pytest.mark.parametrize("pair", ["llama-eagle1", "llama-eagle3", "mixtral-eagle1", "llama4bit-eagle1"])
+def test_greedy_output_equals_plain_decoding(random_pairs, pair):
+    target_dir, head_dir = random_pairs[pair]
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
+    rng = np.random.default_rng(7)
+    for trial, tree in enumerate(TREES):
+        prompt = rng.integers(3, 64, int(rng.integers(1, 12))).tolist()
+        ref = plain_greedy(target_dir, prompt, 40)
+        rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40, **tree))
+        assert [t for r in rs for t in r.tokens] == ref, (pair, tree)
+
+
+@requires_oracle
+@pytest.mark.parametrize("tree", TREES[:3], ids=["small", "wide", "deep"])
+def test_greedy_equals_plain_on_the_oracle_pair_with_many_prompts(tree):
+    model, tok = oracle_model("llama", "eagle1_head")
+    rng = np.random.default_rng(11)
+    taus = []
+    for _ in range(4):
+        prompt = [1] + rng.integers(3, 1024, int(rng.integers(2, 20))).tolist()
+        ref = plain_greedy(ORACLE / "llama" / "target", prompt, 48)
+        rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=48, **tree))
+        assert [t for r in rs for t in r.tokens] == ref
+        taus.append(rs[-1].mean_accept_length)
+    assert np.mean(taus) > 1.5  # the trained head really is accepted
+
+
+# ------------------------------------------------------------ sampling preserves the target
+
+def _wrong_residual(tree, logprobs):
+    """A broken rule for the negative control: the next token after a rejection is drawn
+    from p itself instead of p with the rejected children zeroed."""
+    best, _ = eagle_mlx.accept.accept_sampling(tree, logprobs)
+    return best, mx.random.categorical(logprobs[best])
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    target = make_hf_model(root / "t", "llama", seed=3, vocab_size=8, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=2, scale=1.0)
+    head = make_eagle_head(root / "h", target, "eagle1", seed=4)
+    return target, head
+
+
+def _sample_counts(model, prompt, runs, n_tokens, sampling, tree):
+    counts = {}
+    for seed in range(runs):
+        mx.random.seed(seed)
+        out = []
+        for step in eagle_steps(model.target, model.head, prompt, sampling, **tree):
+            out += step.tokens
+            if len(out) >= n_tokens:
+                break
+        key = tuple(out[:n_tokens])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _exact_distribution(model, prompt, n_tokens, sampling):
+    """P(x1..xn) enumerated with mlx-lm's own forward and the same temperature/top-k/top-p."""
+    from eagle_mlx.accept import process_logits
+
+    V = model.target.vocab_size
+    seqs = list(itertools.product(range(V), repeat=n_tokens - 1))
+    batch = mx.array([list(prompt) + list(s) for s in seqs])
+    logits = model.target.model(batch)[:, len(prompt) - 1:]           # [S, n, V]
+    logp = np.array(process_logits(logits, sampling.temp, sampling.top_p, sampling.top_k))
+    dist = {}
+    for i, s in enumerate(seqs):
+        lp = sum(logp[i, j, s[j]] for j in range(n_tokens - 1))
+        for last in range(V):
+            dist[s + (last,)] = float(np.exp(lp + logp[i, n_tokens - 1, last]))
+    return dist
+
+
+def _chi_square_p(counts, dist, runs):
+    from scipy.stats import chi2
+
+    cells, other_obs, other_exp = [], 0, 0.0
+    for key, p in dist.items():
+        if p * runs >= 5:
+            cells.append((counts.get(key, 0), p * runs))
+        else:
+            other_obs += counts.get(key, 0)
+            other_exp += p * runs
+    cells.append((other_obs, other_exp))
+    stat = sum((o - e) ** 2 / e for o, e in cells if e > 0)
+    return float(chi2.sf(stat, len(cells) - 1)), stat
+
+
+SAMPLING_CASES = [(SamplingParams(temp=1.0), "temp1"),
+                  (SamplingParams(temp=0.7, top_k=5, top_p=0.9), "temp0.7-topk5-topp0.9")]
+
+
+@pytest.mark.parametrize("sampling,name", SAMPLING_CASES, ids=[c[1] for c in SAMPLING_CASES])
+def test_sampling_is_lossless(small_vocab_pair, sampling, name):
+    target_dir, head_dir = small_vocab_pair
+    model, _ = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
+    prompt, n_tokens, runs = [1, 4, 6], 3, 3000
+    tree = dict(total_tokens=10, depth=3, draft_top_k=3)
+    counts = _sample_counts(model, prompt, runs, n_tokens, sampling, tree)
+    dist = _exact_distribution(model, prompt, n_tokens, sampling)
+    p_value, stat = _chi_square_p(counts, dist, runs)
+    # a correct sampler fails this 1 time in 1000
+    assert p_value > 1e-3, (p_value, stat)
+
+
+def test_a_wrong_acceptance_rule_fails_the_same_test(small_vocab_pair, monkeypatch):
+    target_dir, head_dir = small_vocab_pair
+    model, _ = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
+    sampling = SamplingParams(temp=1.0)
+    prompt, n_tokens, runs = [1, 4, 6], 3, 3000
+    monkeypatch.setattr(speculative, "accept_sampling", _wrong_residual)
+    counts = _sample_counts(model, prompt, runs, n_tokens, sampling,
+                            dict(total_tokens=10, depth=3, draft_top_k=3))
+    p_value, _ = _chi_square_p(counts, _exact_distribution(model, prompt, n_tokens, sampling), runs)
+    assert p_value < 1e-3, p_value
+
+
+def _exact_match_rule(tree, logprobs):
+    """mlx-lm's rule, for comparison: sample y ~ p at every node, accept a child iff it is y."""
+    y = mx.random.categorical(logprobs)
+    is_root = mx.arange(tree.tokens.shape[0]) == 0
+    ok = is_root | (tree.tokens == y[tree.parents])
+    accepted = ~(tree.anc & ~ok[None, :]).any(axis=1)
+    best = mx.argmax(mx.where(accepted, tree.depth, -1))
+    return best, y[best]
+
+
+@requires_oracle
+def test_temperature_one_accepts_more_than_exact_match(monkeypatch):
+    model, tok = oracle_model("llama", "eagle1_head")
+    prompts = [p["prompt"] for p in oracle_reference()["llama"]["prompts"]]
+
+    def mean_tau():
+        taus = []
+        for seed, prompt in enumerate(prompts * 3):
+            rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40, temp=1.0,
+                                                seed=seed, total_tokens=16, depth=4, draft_top_k=4))
+            taus.append(rs[-1].mean_accept_length)
+        return float(np.mean(taus))
+
+    ours = mean_tau()
+    monkeypatch.setattr(speculative, "accept_sampling", _exact_match_rule)
+    exact_match = mean_tau()
+    assert ours > exact_match + 0.3, (ours, exact_match)
+
+
+# ------------------------------------------------------------------------------ edge cases
+
+@pytest.fixture(scope="module")
+def pair(random_pairs):
+    target_dir, head_dir = random_pairs["llama-eagle1"]
+    return (target_dir, *eagle_mlx.load(str(target_dir), eagle=str(head_dir)))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_tiny_max_tokens(pair, n):
+    target_dir, model, tok = pair
+    rs = list(eagle_mlx.stream_generate(model, tok, [5, 9, 11], max_tokens=n))
+    assert [t for r in rs for t in r.tokens] == plain_greedy(target_dir, [5, 9, 11], n)
+    assert rs[-1].finish_reason == "length" and rs[-1].generation_tokens == n
+
+
+@requires_oracle
+def test_eos_inside_an_accepted_branch_stops_there():
+    model, tok = oracle_model("llama", "eagle1_head")
+    run = oracle_reference()["llama"]["eagle2_github"][1]["runs"][0]
+    out = run["output_tokens"]
+    # a token the official run accepted as a draft in the middle of a branch
+    pos = 1
+    for step in run["steps"]:
+        if step["accept_length"] >= 3:
+            mid = pos + 1
+            if out.index(out[mid]) == mid:
+                break
+        pos += step["accept_length"] + 1
+    stop = out[mid]
+    saved = tok.eos_token_ids
+    tok.eos_token_ids = {stop}
+    try:
+        rs = list(eagle_mlx.stream_generate(model, tok, run["prompt"], max_tokens=64,
+                                            total_tokens=16, depth=4, draft_top_k=4))
+    finally:
+        tok.eos_token_ids = saved
+    assert [t for r in rs for t in r.tokens] == out[: mid + 1]
+    assert rs[-1].finish_reason == "stop" and rs[-1].accept_length >= 2
+
+
+def test_context_limit(pair):
+    target_dir, model, tok = pair
+    prompt = [5, 9, 11, 13]
+    # room for 10 more positions: trees stop fitting and plain steps finish the context
+    rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=100, max_context=14,
+                                        total_tokens=8, depth=3, draft_top_k=2))
+    out = [t for r in rs for t in r.tokens]
+    assert out == plain_greedy(target_dir, prompt, 11)
+    assert rs[-1].finish_reason == "length"
+    # a prompt that fills the context gives its one token and stops
+    rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=100, max_context=4))
+    assert [t for r in rs for t in r.tokens] == plain_greedy(target_dir, prompt, 1)
+    assert rs[-1].finish_reason == "length"
+    with pytest.raises(EagleError, match="prompt has 4 tokens but the model's context is 3"):
+        list(eagle_mlx.stream_generate(model, tok, prompt, max_context=3))
+
+
+def test_empty_prompt_and_bad_settings(pair):
+    _, model, tok = pair
+    with pytest.raises(EagleError, match="prompt is empty"):
+        list(eagle_mlx.stream_generate(model, tok, []))
+    with pytest.raises(EagleError, match="max_tokens"):
+        list(eagle_mlx.stream_generate(model, tok, [4], max_tokens=0))
+    with pytest.raises(EagleError, match="top_p"):
+        list(eagle_mlx.stream_generate(model, tok, [4], top_p=2.0))
+    with pytest.raises(EagleError, match="total_tokens must be between 2 and 7"):
+        list(eagle_mlx.stream_generate(model, tok, [4], total_tokens=9, depth=1, draft_top_k=2))
+
+
+def test_streamed_text_is_the_decoded_output(pair):
+    _, model, tok = pair
+    rs = list(eagle_mlx.stream_generate(model, tok, "t5 t9 t11", max_tokens=30))
+    tokens = [t for r in rs for t in r.tokens]
+    assert "".join(r.text for r in rs) == tok.decode(tokens)
+    assert eagle_mlx.generate(model, tok, "t5 t9 t11", max_tokens=30) == tok.decode(tokens)
