@@ -1,8 +1,16 @@
-"""EAGLE speculative decoding for large language models, in MLX."""
+"""EAGLE speculative decoding for large language models, in MLX.
 
+    import eagle_mlx
+    model, tokenizer = eagle_mlx.load(target, eagle=head)
+    text = eagle_mlx.generate(model, tokenizer, prompt, max_tokens=256)
+"""
+
+from .checkpoint import load_head
 from .errors import EagleError
+from .generation import GenerationResponse, generate, stream_generate
+from .model import EagleModel, load
 from .target import Target, load_target
 
 __version__ = "0.1.0"
-from .generate import GenerationResponse, generate, stream_generate
-from .model import EagleModel, load
+__all__ = ["EagleError", "EagleModel", "GenerationResponse", "Target", "generate", "load",
+           "load_head", "load_target", "stream_generate"]

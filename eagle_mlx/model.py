@@ -4,7 +4,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from .convert import load_head
+from .checkpoint import load_head
 from .errors import EagleError
 from .target import Target, load_target
 

@@ -10,7 +10,7 @@ import pytest
 import eagle_mlx
 from eagle_mlx import EagleError, speculative
 from eagle_mlx.speculative import SamplingParams, eagle_steps
-from eagle_mlx.tree import MC_SIM_7B_63, StaticTree, retrieve_indices
+from eagle_mlx.tree import MC_SIM_7B_63, StaticTree, Tree, retrieve_indices
 from tiny import ORACLE, make_eagle_head, make_hf_model, oracle_reference, requires_oracle
 
 
@@ -115,8 +115,10 @@ def random_pairs(tmp_path_factory):
     return pairs
 
 
-def plain_greedy(model_dir, prompt, n):
+def plain_greedy(model_dir, prompt, n, eos=True):
     model, tok = eagle_mlx.load(str(model_dir))
+    if not eos:
+        tok.eos_token_ids = set()
     return [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=n) for t in r.tokens]
 
 
@@ -246,7 +248,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(small_vocab_pair, monkeypat
 
 
 def _exact_match_rule(tree, logprobs):
-    """mlx-lm's rule, for comparison: sample y ~ p at every node, accept a child iff it is y."""
+    """mlx-lm's rule: sample y ~ p at every node, accept a child iff it is y."""
     y = mx.random.categorical(logprobs)
     is_root = mx.arange(tree.tokens.shape[0]) == 0
     ok = is_root | (tree.tokens == y[tree.parents])
@@ -255,38 +257,64 @@ def _exact_match_rule(tree, logprobs):
     return best, y[best]
 
 
+def _sampled_chain_draft(self, head, target, cache, features, tokens, root):
+    """mlx-lm's drafting: a chain whose tokens are sampled from the draft at temperature 1."""
+    embed = target.embed_tokens
+    out = head(features[None], tokens[None], embed, cache)
+    stable = cache.offset
+    h, chain = out[:, -1:], [root.reshape(1).astype(mx.int32)]
+    for d in range(self.max_depth):
+        t = head.to_target_ids(mx.random.categorical(head.logits(h[0], target))).astype(mx.int32)
+        chain.append(t)
+        h = head(h, t[None], embed, cache, positions=mx.array([stable + d]))
+    cache.truncate(stable)
+    return Tree(mx.concatenate(chain), self.parents, self.anc, self.depth)
+
+
 @requires_oracle
 def test_temperature_one_accepts_more_than_exact_match(monkeypatch):
+    """At temperature 1, EAGLE's rule (deterministic top-k drafts, recursive rejection
+    sampling) accepts more than mlx-lm's (drafts sampled from the head, accepted when the
+    target's own sample equals them), with the same 4-token chain and on a full tree."""
     model, tok = oracle_model("llama", "eagle1_head")
     prompts = [p["prompt"] for p in oracle_reference()["llama"]["prompts"]]
+    chain = [[0] * d for d in range(1, 5)]
 
-    def mean_tau():
+    def mean_tau(**tree):
         taus = []
-        for seed, prompt in enumerate(prompts * 3):
-            rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40, temp=1.0,
-                                                seed=seed, total_tokens=16, depth=4, draft_top_k=4))
+        for seed, prompt in enumerate(prompts * 4):
+            rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=48, temp=1.0,
+                                                seed=seed, **tree))
             taus.append(rs[-1].mean_accept_length)
         return float(np.mean(taus))
 
-    ours = mean_tau()
+    eagle_chain = mean_tau(tree_choices=chain, draft_top_k=1)
+    eagle_tree = mean_tau(total_tokens=16, depth=4, draft_top_k=4)
     monkeypatch.setattr(speculative, "accept_sampling", _exact_match_rule)
-    exact_match = mean_tau()
-    assert ours > exact_match + 0.3, (ours, exact_match)
+    monkeypatch.setattr(StaticTree, "draft", _sampled_chain_draft)
+    exact_match = mean_tau(tree_choices=chain, draft_top_k=1)
+    print(f"tau at temp 1: exact match {exact_match:.2f}, EAGLE chain {eagle_chain:.2f}, "
+          f"EAGLE tree {eagle_tree:.2f}")
+    assert eagle_chain > exact_match + 0.2
+    assert eagle_tree > eagle_chain
 
 
 # ------------------------------------------------------------------------------ edge cases
 
 @pytest.fixture(scope="module")
 def pair(random_pairs):
+    """A random pair whose tokenizer never stops: these tests run to their limits."""
     target_dir, head_dir = random_pairs["llama-eagle1"]
-    return (target_dir, *eagle_mlx.load(str(target_dir), eagle=str(head_dir)))
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
+    tok.eos_token_ids = set()
+    return target_dir, model, tok
 
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_tiny_max_tokens(pair, n):
     target_dir, model, tok = pair
     rs = list(eagle_mlx.stream_generate(model, tok, [5, 9, 11], max_tokens=n))
-    assert [t for r in rs for t in r.tokens] == plain_greedy(target_dir, [5, 9, 11], n)
+    assert [t for r in rs for t in r.tokens] == plain_greedy(target_dir, [5, 9, 11], n, eos=False)
     assert rs[-1].finish_reason == "length" and rs[-1].generation_tokens == n
 
 
@@ -322,11 +350,11 @@ def test_context_limit(pair):
     rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=100, max_context=14,
                                         total_tokens=8, depth=3, draft_top_k=2))
     out = [t for r in rs for t in r.tokens]
-    assert out == plain_greedy(target_dir, prompt, 11)
+    assert out == plain_greedy(target_dir, prompt, 11, eos=False)
     assert rs[-1].finish_reason == "length"
     # a prompt that fills the context gives its one token and stops
     rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=100, max_context=4))
-    assert [t for r in rs for t in r.tokens] == plain_greedy(target_dir, prompt, 1)
+    assert [t for r in rs for t in r.tokens] == plain_greedy(target_dir, prompt, 1, eos=False)
     assert rs[-1].finish_reason == "length"
     with pytest.raises(EagleError, match="prompt has 4 tokens but the model's context is 3"):
         list(eagle_mlx.stream_generate(model, tok, prompt, max_context=3))

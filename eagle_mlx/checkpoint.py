@@ -1,0 +1,208 @@
+"""EAGLE head checkpoints: read the published ones, check them, write MLX folders.
+
+Reads `pytorch_model.bin` (safely, without torch) or `model.safetensors`, detects
+EAGLE-1 vs EAGLE-3 from the keys, checks every key and shape (and the target, when
+given), and writes an MLX folder: config.json (the head config plus an "eagle" block
+saying the head kind and what it needs from its target) and model.safetensors.
+`load_head` accepts such a folder or an unconverted PyTorch one.
+"""
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .errors import EagleError
+from .heads import HEAD_CLASSES, HeadArgs
+from .hub import resolve
+from .target import read_config
+from .torch_pickle import load_torch_checkpoint
+
+FORMAT_VERSION = 1
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+HEAD_FILES = ["config.json", "model.safetensors", "pytorch_model.bin"]
+# EAGLE-3 taps layers {2, L//2, L-3}: they are distinct only from 7 layers on
+EAGLE3_MIN_TARGET_LAYERS = 7
+
+
+def read_head_weights(path: Path) -> Dict[str, mx.array]:
+    st, pt = path / "model.safetensors", path / "pytorch_model.bin"
+    if st.is_file():
+        try:
+            return mx.load(str(st))
+        except Exception as e:
+            raise EagleError(f"{st} is not a readable safetensors file ({e}).") from None
+    if pt.is_file():
+        return load_torch_checkpoint(pt)
+    raise EagleError(f"head folder {path} has neither model.safetensors nor pytorch_model.bin.")
+
+
+def detect_kind(weights: Dict[str, mx.array], path: Path) -> str:
+    if "midlayer.self_attn.q_proj.weight" in weights:
+        return "eagle3"
+    if "layers.0.self_attn.q_proj.weight" in weights:
+        return "eagle1"
+    raise EagleError(
+        f"{path} is not an EAGLE head: it has neither layers.0.* (EAGLE-1) nor "
+        "midlayer.* (EAGLE-3) attention weights."
+    )
+
+
+def _quantize_predicate(group_size: int, weights: Optional[dict] = None):
+    def predicate(path, module):
+        if not isinstance(module, nn.Linear):
+            return False
+        if weights is not None:
+            return f"{path}.scales" in weights
+        return module.weight.shape[-1] % group_size == 0
+
+    return predicate
+
+
+def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=None):
+    """Make a head module from a config and checkpoint tensors, checking every key."""
+    eagle = config.get("eagle") or {}
+    kind = eagle.get("kind") or detect_kind(weights, path)
+    weights = dict(weights)
+    embed = weights.pop("embed_tokens.weight", None)
+    weights.pop("t2d", None)  # target->draft membership: only training uses it
+    if kind == "eagle1" and "bias" not in config:
+        config = dict(config, bias="fc.bias" in weights)
+    try:
+        args = HeadArgs.from_config(config, kind, has_d2t="d2t" in weights)
+    except KeyError as e:
+        raise EagleError(f"{path / 'config.json'} lacks the key {e} that a head config needs.") from None
+    head = HEAD_CLASSES[kind](args)
+    quant = config.get("quantization")
+    if quant:
+        nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
+                    class_predicate=_quantize_predicate(quant["group_size"], weights))
+    expected = dict(tree_flatten(head.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys {', '.join(unexpected)}")
+        raise EagleError(f"{kind} head in {path} does not match its config: {'; '.join(parts)}.")
+    for k, v in weights.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            raise EagleError(
+                f"tensor {k} in {path} has shape {tuple(v.shape)}, but the head config "
+                f"implies {tuple(expected[k].shape)}."
+            )
+    if "d2t" in weights:
+        weights["d2t"] = weights["d2t"].astype(mx.int64)
+    head.load_weights(list(weights.items()))
+    head.eval()
+    head.source_path = path
+    if embed is not None and tuple(embed.shape) != (args.vocab_size, args.hidden_size):
+        raise EagleError(
+            f"embed_tokens.weight in {path} has shape {tuple(embed.shape)}, but the head "
+            f"config says vocab {args.vocab_size} x hidden {args.hidden_size}."
+        )
+    if target is not None:
+        check_pair(head, target, path, embed_shape=None if embed is None else tuple(embed.shape))
+    return head
+
+
+def check_pair(head, target, head_path, embed_shape=None) -> None:
+    """Fail loudly, naming both sides, where a head does not fit a target."""
+    a = head.args
+    tname = target.path or "the target"
+    if a.hidden_size != target.hidden_size:
+        raise EagleError(
+            f"head {head_path} has hidden size {a.hidden_size}, but target {tname} has "
+            f"hidden size {target.hidden_size}."
+        )
+    if a.vocab_size != target.vocab_size:
+        raise EagleError(
+            f"head {head_path} has vocab size {a.vocab_size}, but target {tname} has "
+            f"vocab size {target.vocab_size}."
+        )
+    if embed_shape is not None and embed_shape != (target.vocab_size, target.hidden_size):
+        raise EagleError(
+            f"embedding in head {head_path} has shape {embed_shape}, but target {tname} "
+            f"embeds {target.vocab_size} x {target.hidden_size}."
+        )
+    if a.kind == "eagle3" and target.num_layers < EAGLE3_MIN_TARGET_LAYERS:
+        raise EagleError(
+            f"EAGLE-3 head {head_path} taps target layers {{2, L//2, L-3}}, which needs at "
+            f"least {EAGLE3_MIN_TARGET_LAYERS} layers, but target {tname} has {target.num_layers}."
+        )
+
+
+def read_head(path_or_repo: str) -> Tuple[dict, Dict[str, mx.array], Path]:
+    path = resolve(path_or_repo, "EAGLE head", allow_patterns=HEAD_FILES)
+    return read_config(path, "EAGLE head"), read_head_weights(path), path
+
+
+def load_head(path_or_repo: str, target=None):
+    """An EAGLE head from a converted MLX folder or a PyTorch one (converted in memory)."""
+    config, weights, path = read_head(path_or_repo)
+    return build_head(config, weights, path, target)
+
+
+def head_config(head, source_config: dict) -> dict:
+    config = {k: v for k, v in source_config.items() if k not in ("eagle", "quantization")}
+    a = head.args
+    config["eagle"] = {
+        "kind": head.kind,
+        "format_version": FORMAT_VERSION,
+        "target_hidden_size": a.hidden_size,
+        "target_vocab_size": a.vocab_size,
+        "feature_size": head.feature_size,
+        "target_min_layers": EAGLE3_MIN_TARGET_LAYERS if head.kind == "eagle3" else 1,
+    }
+    if head.kind == "eagle1":
+        config["bias"] = a.bias
+    return config
+
+
+def _atomic_dir(out: Path, write) -> None:
+    """Run write(tmp_dir) and rename tmp_dir to `out`; nothing is left on failure."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_head(head, source_config: dict, out: Path, dtype: Optional[str] = None,
+              q_bits: Optional[int] = None, q_group_size: int = 64) -> None:
+    from tqdm import tqdm
+
+    config = head_config(head, source_config)
+    params = dict(tree_flatten(head.parameters()))
+    if dtype:
+        params = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v
+                  for k, v in params.items()}
+        head.load_weights(list(params.items()))
+        config["torch_dtype"] = dtype
+    if q_bits:
+        nn.quantize(head, group_size=q_group_size, bits=q_bits,
+                    class_predicate=_quantize_predicate(q_group_size))
+        config["quantization"] = {"group_size": q_group_size, "bits": q_bits}
+        params = dict(tree_flatten(head.parameters()))
+    out_params = {}
+    for k, v in tqdm(params.items(), desc="writing head", unit="tensor",
+                     disable=not sys.stderr.isatty()):
+        mx.eval(v)
+        out_params[k] = v
+
+    def write(tmp: Path):
+        tmp.mkdir(parents=True)
+        mx.save_safetensors(str(tmp / "model.safetensors"), out_params, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    _atomic_dir(out, write)
