@@ -45,7 +45,7 @@ def validate_settings(model, max_tokens, temp, top_p, top_k, total_tokens, depth
     _check(temp >= 0, f"temp must be 0 (greedy) or positive (got {temp}).")
     _check(0 < top_p <= 1, f"top_p must be in (0, 1] (got {top_p}).")
     _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be 0 (off) or positive (got {top_k}).")
-    if model.head is None:
+    if model is None:  # plain decoding: no tree
         return
     _check(isinstance(draft_top_k, int) and draft_top_k >= 1,
            f"draft_top_k must be at least 1 (got {draft_top_k}).")
@@ -85,19 +85,26 @@ def stream_generate(
     draft_top_k: Optional[int] = None,
     tree_choices: Optional[Sequence[Sequence[int]]] = None,
     max_context: Optional[int] = None,
+    speculate: Optional[bool] = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per target forward pass.
 
     prompt: a str (tokenized as is, no chat template) or a list of token ids.
     With `model.head` None this is plain autoregressive decoding of the target.
+    speculate: None decides from the model (its head and the benchmark's tuning; explicit
+    tree settings always speculate); False forces plain decoding, True EAGLE.
     tree_choices: EAGLE-1 static tree (list of paths); None: EAGLE-2 dynamic tree of
     `total_tokens` nodes (incl. the root), `depth` levels, `draft_top_k` children.
     """
+    if speculate is None:
+        explicit = any(x is not None for x in (total_tokens, depth, draft_top_k, tree_choices))
+        speculate = model.head is not None and (explicit or model.speculates)
+    _check(not speculate or model.head is not None, "speculative decoding needs an EAGLE head.")
     tree = model.tree_settings()
     total_tokens = tree["total_tokens"] if total_tokens is None else total_tokens
     depth = tree["depth"] if depth is None else depth
     draft_top_k = tree["draft_top_k"] if draft_top_k is None else draft_top_k
-    validate_settings(model, max_tokens, temp, top_p, top_k, total_tokens, depth,
+    validate_settings(model if speculate else None, max_tokens, temp, top_p, top_k, total_tokens, depth,
                       draft_top_k, tree_choices)
     ids = encode_prompt(tokenizer, prompt)
     _check(len(ids) > 0, "the prompt is empty.")
@@ -110,7 +117,7 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     sampling = SamplingParams(temp, top_p, top_k)
-    if model.head is None:
+    if not speculate:
         steps = plain_steps(target, ids, sampling, max_context)
     else:
         try:

@@ -23,6 +23,11 @@ class EagleModel:
     head_path: Optional[str] = None
     tuning: Optional[dict] = None  # tree chosen by the benchmark for this machine
 
+    @property
+    def speculates(self) -> bool:
+        """False where the benchmark found that speculation does not pay on this machine."""
+        return self.head is not None and bool((self.tuning or {}).get("speculate", True))
+
     def tree_settings(self) -> dict:
         settings = dict(DEFAULT_TREE)
         if self.tuning:

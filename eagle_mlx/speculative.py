@@ -7,6 +7,7 @@ verify pass, acceptance) and synchronised with the host once, to learn which nod
 were accepted. The syncs are marked `SYNC`.
 """
 
+import time
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
@@ -21,6 +22,35 @@ class Step:
     tokens: List[int]             # tokens this target forward produced
     accept_length: Optional[int]  # drafted tokens accepted (None for the prefill)
     tree: Optional[dict] = None   # with trace=True: the verified tree (tokens, parents, depth)
+
+
+class PhaseTimer:
+    """Seconds spent in each phase of the cycle: draft / verify / accept / update."""
+
+    def __init__(self):
+        self.seconds = {"draft": 0.0, "verify": 0.0, "accept": 0.0, "update": 0.0}
+        self.cycles = 0
+        self._last = None
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str, *arrays) -> None:
+        if self._last is None:
+            return
+        mx.eval(*arrays)  # SYNC (profiling only)
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._last
+        self._last = now
+        self.cycles += phase == "update"
+
+
+class _NoTimer(PhaseTimer):
+    def lap(self, phase, *arrays):
+        pass
+
+
+_NO_TIMER = _NoTimer()
 
 
 @dataclass
@@ -44,7 +74,7 @@ def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
     n = len(prompt)  # tokens in the cache once the last yielded token is fed
     for token, _ in generate_step(mx.array(list(prompt)), target.model, max_tokens=-1,
                                   sampler=sampling.pick):
-        yield Step([int(token)], None if n == len(prompt) else 0)
+        yield Step([int(token)], None)  # nothing drafted
         n += 1
         if n > max_context:  # the next token would need a position past the context
             return
@@ -53,8 +83,12 @@ def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
 def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
                 total_tokens: int, depth: int, draft_top_k: int,
                 tree_choices=None, max_context: Optional[int] = None,
-                trace: bool = False) -> Iterator[Step]:
-    """Speculative decoding with an EAGLE head; yields one Step per target forward."""
+                trace: bool = False, timer: Optional["PhaseTimer"] = None) -> Iterator[Step]:
+    """Speculative decoding with an EAGLE head; yields one Step per target forward.
+
+    trace: attach the verified tree to every Step. timer: time the phases of each cycle
+    (this adds a sync after each phase, so use it to profile, not to measure speed)."""
+    timer = timer or _NO_TIMER
     max_context = max_context or target.max_context
     taps = target.eagle3_taps if head.kind == "eagle3" else ()
     static = StaticTree(tree_choices, draft_top_k) if tree_choices else None
@@ -74,6 +108,7 @@ def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
     n = len(prompt)
     root_token = root.item()  # SYNC: the first token is output now
     yield Step([root_token], None)
+    timer.start()
 
     while n + tree_depth < max_context:
         # 2. draft a tree with the head (catch-up on the new positions first)
@@ -82,12 +117,14 @@ def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
         else:
             tree = draft_dynamic(head, target, head_cache, feats, head_tokens, root,
                                  total_tokens, depth, draft_top_k)
+        timer.lap("draft", tree.tokens, tree.anc)
         # 3. verify: one target forward over the whole tree, after the n cached tokens
         size = tree.tokens.shape[0]
         mask = mx.concatenate([mx.ones((size, n), dtype=mx.bool_), tree.anc], axis=1)
         hidden, tapped = target(tree.tokens[None], cache, positions=n + tree.depth,
                                 mask=mask, taps=taps)
         logits = target.lm_head(hidden[0])                             # [size, V]
+        timer.lap("verify", logits)
         # 4. accept the deepest node whose whole path the target agrees with
         if sampling.temp == 0:
             best, bonus = accept_greedy(tree, logits)
@@ -100,6 +137,7 @@ def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
         path = [i for i, keep in enumerate(path_mask.tolist()) if keep]  # root first
         tokens = tree.tokens.tolist()
         root_token = bonus.item()
+        timer.lap("accept")
         # 5. update: keep the accepted rows of the target cache, hand their features on
         path_idx = mx.array(path)
         for c in cache:
@@ -109,11 +147,13 @@ def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
         out = [tokens[i] for i in path[1:]] + [root_token]
         head_tokens = mx.array(out, dtype=prompt_ids.dtype)
         root = mx.array(root_token)
+        timer.lap("update", feats, *[c.keys for c in cache])
         traced = None
         if trace:
             traced = {"tokens": tokens, "parents": tree.parents.tolist(),
                       "depth": tree.depth.tolist()}
         yield Step(out, len(path) - 1, traced)
+        timer.start()
 
     # near the context limit no tree fits: finish with plain steps
     while n < max_context:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Convert a published EAGLE head to MLX: a thin entry for `python -m eagle_mlx.convert`."""
+"""Convert a published EAGLE head to MLX: the same as `python -m eagle_mlx.convert`."""
 import sys
 
 from eagle_mlx.convert import main

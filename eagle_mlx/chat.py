@@ -1,0 +1,144 @@
+"""`python -m eagle_mlx.chat`: a multi-turn chat in the terminal, streamed with EAGLE.
+
+Commands: /reset (forget the conversation), /stats (last reply and session), /quit.
+Ctrl-C stops the current reply and keeps the conversation; Ctrl-D quits.
+"""
+
+import argparse
+import sys
+
+from .cli import UsageError, run_cli
+from .errors import EagleError
+from .generate import (add_model_args, add_sampling_args, chat_prompt, check_sampling_args,
+                       generation_kwargs, load_from_args, print_stats)
+
+HELP = "commands: /reset  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eagle_mlx.chat",
+                                description="Chat with a model in the terminal, using EAGLE.")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.set_defaults(max_tokens=512)
+    return p
+
+
+class Chat:
+    def __init__(self, model, tokenizer, args):
+        self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.system = ([{"role": "system", "content": args.system_prompt}]
+                       if args.system_prompt else [])
+        self.turns = []  # user/assistant messages, oldest first
+        self.last = None
+        self.session = {"replies": 0, "tokens": 0, "forwards": 0}
+
+    def prompt_ids(self, user: str):
+        """The conversation plus the new message, oldest turns dropped to fit the context."""
+        context = self.model.target.max_context
+        history = list(self.turns)
+        dropped = 0
+        while True:
+            messages = self.system + history + [{"role": "user", "content": user}]
+            ids = chat_prompt(self.tokenizer, messages)
+            if len(ids) + self.args.max_tokens <= context or not history:
+                break
+            history = history[2:]  # one user message and its reply
+            dropped += 1
+        if dropped:
+            self.turns = history
+            print(f"[history trimmed: dropped the {dropped} oldest turn(s) to fit the "
+                  f"context of {context} tokens]", file=sys.stderr)
+        if len(ids) > context:
+            raise EagleError(f"this message is {len(ids)} tokens long with the system prompt, "
+                             f"more than the context of {context} tokens.")
+        return ids
+
+    def reply(self, user: str) -> None:
+        from .generation import stream_generate
+
+        ids = self.prompt_ids(user)
+        kwargs = generation_kwargs(self.args)
+        kwargs["max_tokens"] = min(kwargs["max_tokens"], self.model.target.max_context - len(ids) + 1)
+        text = []
+        try:
+            for r in stream_generate(self.model, self.tokenizer, ids, seed=self.args.seed, **kwargs):
+                print(r.text, end="", flush=True)
+                text.append(r.text)
+                self.last = r
+        except KeyboardInterrupt:
+            print(" [stopped]", end="")
+        print()
+        self.turns += [{"role": "user", "content": user},
+                       {"role": "assistant", "content": "".join(text)}]
+        if self.last is not None:
+            self.session["replies"] += 1
+            self.session["tokens"] += self.last.generation_tokens
+            self.session["forwards"] += self.last.target_forwards
+
+    def stats(self) -> None:
+        if self.last is None:
+            print("no reply yet")
+            return
+        print("last reply:")
+        print_stats(self.last)
+        s = self.session
+        print(f"session: {s['replies']} replies, {s['tokens']} tokens, "
+              f"{s['forwards']} target forwards, {len(self.turns) // 2} turns in history")
+
+    def run(self, stream) -> None:
+        interactive = stream.isatty()
+        if interactive:
+            print(HELP)
+        while True:
+            try:
+                if interactive:
+                    line = input(">> ")
+                else:
+                    line = stream.readline()
+                    if not line:
+                        break
+                    line = line.rstrip("\n")
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                print("\n(/quit or Ctrl-D to leave)")
+                continue
+            command = line.strip()
+            if not command:
+                continue
+            if command == "/quit":
+                break
+            if command == "/reset":
+                self.turns, self.last = [], None
+                print("[conversation reset]")
+                continue
+            if command == "/stats":
+                self.stats()
+                continue
+            if command.startswith("/"):
+                print(f"unknown command {command}; {HELP}")
+                continue
+            try:
+                self.reply(line)
+            except EagleError as e:
+                print(f"error: {e}", file=sys.stderr)
+
+
+def _main(argv) -> int:
+    args = build_parser().parse_args(argv)
+    check_sampling_args(args)
+    model, tokenizer = load_from_args(args)
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"the tokenizer of {args.model or 'the demo model'} has no chat template, "
+                         "which chat needs; use python -m eagle_mlx.generate instead.")
+    Chat(model, tokenizer, args).run(sys.stdin)
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

