@@ -26,9 +26,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .cli import UsageError, run_cli
+from .cli import UsageError, add_model_args, chat_prompt, load_from_args, run_cli
 from .errors import EagleError
-from .generate import add_model_args, chat_prompt, load_from_args
 from .model import TUNING_FILE
 
 DEFAULT_TREES = "4/2/2,8/3/2,16/4/4,32/5/6,60/5/10"

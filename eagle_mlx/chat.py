@@ -7,10 +7,9 @@ Ctrl-C stops the current reply and keeps the conversation; Ctrl-D quits.
 import argparse
 import sys
 
-from .cli import UsageError, run_cli
+from .cli import (UsageError, add_model_args, add_sampling_args, chat_prompt,
+                  check_sampling_args, generation_kwargs, load_from_args, print_stats, run_cli)
 from .errors import EagleError
-from .generate import (add_model_args, add_sampling_args, chat_prompt, check_sampling_args,
-                       generation_kwargs, load_from_args, print_stats)
 
 HELP = "commands: /reset  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
 

@@ -1,8 +1,12 @@
-"""What every command-line tool shares: user errors end in one sentence, never a traceback."""
+"""What the command-line tools share: flags, loading, prompts, the stats block, and errors
+that end in one sentence, never a traceback."""
 
+import argparse
+import json
 import sys
 
 from .errors import EagleError
+from .tree import MC_SIM_7B_63
 
 
 class UsageError(EagleError):
@@ -19,3 +23,109 @@ def run_cli(main, argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+NAMED_TREES = {"mc_sim_7b_63": MC_SIM_7B_63}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    from .demo import DEMO_NOTE
+
+    p.add_argument("--model", help=f"target folder or Hugging Face repo id ({DEMO_NOTE})")
+    p.add_argument("--eagle", help="EAGLE head folder or repo id (MLX or PyTorch); "
+                                   "omitted: plain decoding, unless the demo target is used")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", "-m", type=int, default=256, help="most tokens to generate")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed")
+    p.add_argument("--system-prompt", default=None, help="system message for the chat template")
+    p.add_argument("--total-tokens", type=int, default=None,
+                   help="nodes in the draft tree, root included (default: tuned or 16)")
+    p.add_argument("--depth", type=int, default=None, help="draft tree levels (default: tuned or 4)")
+    p.add_argument("--draft-top-k", type=int, default=None,
+                   help="children per drafted node (default: tuned or 4)")
+    p.add_argument("--tree-choices", default=None,
+                   help="EAGLE-1 static tree: 'mc_sim_7b_63' or a JSON list of paths")
+
+
+def check_sampling_args(args) -> None:
+    """Flag values a user can get wrong: one sentence each, exit code 2."""
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
+    if args.temp < 0:
+        raise UsageError(f"--temp must be 0 (greedy) or positive (got {args.temp}).")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1] (got {args.top_p}).")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be 0 (off) or positive (got {args.top_k}).")
+    for flag in ("total_tokens", "depth", "draft_top_k"):
+        value = getattr(args, flag)
+        minimum = 2 if flag == "total_tokens" else 1
+        if value is not None and value < minimum:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least {minimum} (got {value}).")
+    if args.tree_choices is not None:
+        args.tree_choices = parse_tree_choices(args.tree_choices)
+
+
+def parse_tree_choices(text: str):
+    if text in NAMED_TREES:
+        return NAMED_TREES[text]
+    try:
+        choices = json.loads(text)
+    except json.JSONDecodeError:
+        choices = None
+    if not (isinstance(choices, list) and choices and all(
+            isinstance(c, list) and c and all(isinstance(r, int) for r in c) for c in choices)):
+        raise UsageError(
+            f"--tree-choices must be {', '.join(NAMED_TREES)} or a JSON list of paths such as "
+            f"[[0],[1],[0,0]] (got {text!r})."
+        )
+    return choices
+
+
+def load_from_args(args):
+    """Load the model named by --model/--eagle, or the shipped demo pair."""
+    from .demo import demo_paths
+    from .model import load
+
+    model_path, eagle_path = args.model, args.eagle
+    if model_path is None:
+        model_path, demo_head = demo_paths()
+        eagle_path = eagle_path or demo_head
+    return load(model_path, eagle=eagle_path)
+
+
+def generation_kwargs(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
+                total_tokens=args.total_tokens, depth=args.depth, draft_top_k=args.draft_top_k,
+                tree_choices=args.tree_choices)
+
+
+def chat_prompt(tokenizer, messages, use_template: bool = True):
+    """Token ids of a conversation: the chat template when the tokenizer has one, else the
+    messages' text, one per line."""
+    if use_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers >= 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    from .generation import encode_prompt
+
+    return encode_prompt(tokenizer, "\n".join(m["content"] for m in messages))
+
+
+def print_stats(r, file=sys.stdout) -> None:
+    print("==========", file=file)
+    print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec", file=file)
+    print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec",
+          file=file)
+    if r.accept_lengths:
+        print(f"Acceptance: tau {r.mean_accept_length:.2f} tokens per target forward "
+              f"({r.target_forwards} target forwards)", file=file)
+    else:
+        print(f"Acceptance: plain decoding ({r.target_forwards} target forwards)", file=file)
+    print(f"Peak memory: {r.peak_memory:.3f} GB", file=file)

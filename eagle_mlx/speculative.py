@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from .accept import accept_greedy, accept_sampling, process_logits
 from .tree import StaticTree, draft_dynamic
@@ -134,7 +135,7 @@ def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
         path_mask = tree.anc[best]
         # SYNC (once per cycle): which nodes were accepted, and the next root token
         mx.eval(path_mask, tree.tokens, bonus)
-        path = [i for i, keep in enumerate(path_mask.tolist()) if keep]  # root first
+        path = np.flatnonzero(np.array(path_mask)).tolist()  # root first: parents precede
         tokens = tree.tokens.tolist()
         root_token = bonus.item()
         timer.lap("accept")

@@ -11,7 +11,6 @@ import pytest
 
 import eagle_mlx
 from eagle_mlx.demo import DEMO_DIR
-from tiny import ROOT
 
 pytestmark = pytest.mark.skipif(
     not (DEMO_DIR / "target" / "config.json").is_file(),

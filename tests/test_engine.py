@@ -1,7 +1,6 @@
 """The speculative loop: official parity, losslessness (greedy and sampling), edge cases."""
 
 import itertools
-import json
 
 import mlx.core as mx
 import numpy as np
