@@ -44,8 +44,12 @@ def _main(argv) -> int:
         raise UsageError(f"--prompt is {len(ids)} tokens long, more than the model's context of "
                          f"{context} tokens.")
     if args.verbose:
-        mode = ("plain decoding" if model.head is None else
-                f"{model.head.kind} head, tree {json.dumps(model.tree_settings())}")
+        if model.head is None:
+            mode = "plain decoding"
+        elif not model.speculates:
+            mode = "plain decoding: the benchmark found that speculation does not pay here"
+        else:
+            mode = f"{model.head.kind} head, tree {json.dumps(model.tree_settings())}"
         print(f"[{mode}]", file=sys.stderr)
     print("==========")
     last = None
