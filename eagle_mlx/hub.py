@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .errors import EagleError
+from .errors import EagleError, reason
 
 
 def resolve(path_or_repo: str, what: str = "model",
@@ -34,8 +34,7 @@ def resolve(path_or_repo: str, what: str = "model",
                 f"{what} '{path_or_repo}' is neither a local folder nor in the Hugging Face "
                 "cache, and HF_HUB_OFFLINE=1 forbids downloading it."
             ) from None
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise EagleError(
             f"{what} '{path_or_repo}' is not a local folder and could not be downloaded "
-            f"from the Hugging Face Hub ({reason})."
+            f"from the Hugging Face Hub ({reason(e)})."
         ) from None

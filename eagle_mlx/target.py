@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import TreeKVCache
-from .errors import EagleError
+from .errors import EagleError, reason
 from .hub import resolve
 from .layers import attention
 
@@ -165,11 +165,9 @@ def load_target(path_or_repo: str, lazy: bool = False):
     try:
         model, config = load_model(path, lazy=lazy, model_config=_rope_overrides(config))
     except Exception as e:  # mlx-lm raises ValueError/KeyError/RuntimeError on bad weights
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise EagleError(f"could not load the weights in {path}: {reason}") from None
+        raise EagleError(f"could not load the weights in {path}: {reason(e)}") from None
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise EagleError(f"could not load the tokenizer in {path}: {reason}") from None
+        raise EagleError(f"could not load the tokenizer in {path}: {reason(e)}") from None
     return Target(model, config, path), tokenizer
