@@ -34,6 +34,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help=f"target folder or Hugging Face repo id ({DEMO_NOTE})")
     p.add_argument("--eagle", help="EAGLE head folder or repo id (MLX or PyTorch); "
                                    "omitted: plain decoding, unless the demo target is used")
+    add_dtype_arg(p)
+
+
+def add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    from .target import DTYPE_CHOICES
+
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="weights at load time: auto = float32 on the CPU (dequantized: MLX's "
+                        "quantized and half-precision matmuls are slow there), as stored on a GPU")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -96,7 +105,7 @@ def load_from_args(args):
     if model_path is None:
         model_path, demo_head = demo_paths()
         eagle_path = eagle_path or demo_head
-    return load(model_path, eagle=eagle_path)
+    return load(model_path, eagle=eagle_path, dtype=args.dtype)
 
 
 def generation_kwargs(args) -> dict:

@@ -6,7 +6,7 @@ from typing import Optional
 
 from .checkpoint import load_head
 from .errors import EagleError
-from .target import Target, load_target
+from .target import Target, convert_dtype, load_target, resolve_dtype
 
 # Tree defaults for Apple Silicon: verifying costs more per extra token on a Mac than on a
 # datacentre GPU, so the tree is small (the official 60 nodes / depth 7 / top-10 is tuned
@@ -48,15 +48,21 @@ def _read_tuning(head_path) -> Optional[dict]:
     return tuning if isinstance(tuning, dict) else None
 
 
-def load(target: str, eagle: Optional[str] = None, lazy: bool = False):
-    """Load a target (folder or Hugging Face repo id) and, optionally, its EAGLE head.
+def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
+         dtype: Optional[str] = None):
+    """Load a target (folder, Hugging Face repo id or GGUF file) and, optionally, its EAGLE head.
 
     `eagle` may be a converted MLX head folder or a published PyTorch one (converted in
-    memory). Returns (EagleModel, tokenizer); with eagle=None decoding is plain.
+    memory). dtype: "auto" (default: float32 on the CPU, as stored on a GPU), "stored",
+    "float32", "float16" or "bfloat16", for the target and the head alike.
+    Returns (EagleModel, tokenizer); with eagle=None decoding is plain.
     """
-    t, tokenizer = load_target(target, lazy=lazy)
+    convert_to = resolve_dtype(dtype)
+    t, tokenizer = load_target(target, lazy=lazy, dtype=dtype)
     if eagle is None:
         return EagleModel(t), tokenizer
     head = load_head(eagle, t)
+    if convert_to is not None:
+        convert_dtype(head, convert_to)
     path = head.source_path
     return EagleModel(t, head, str(path), _read_tuning(path)), tokenizer

@@ -17,6 +17,7 @@ import mlx.nn as nn
 
 from .cache import TreeKVCache
 from .errors import EagleError, reason
+from .gguf import find_gguf, load_gguf
 from .hub import resolve
 from .layers import attention
 
@@ -146,14 +147,74 @@ def _rope_overrides(config: dict) -> dict:
     return overrides
 
 
-def load_target(path_or_repo: str, lazy: bool = False):
-    """Load a Llama/Mixtral target and its tokenizer from a folder or a Hub repo id.
+DTYPE_CHOICES = ("auto", "stored", "float32", "float16", "bfloat16")
 
-    Returns (Target, mlx-lm TokenizerWrapper).
+
+def resolve_dtype(dtype: Optional[str]) -> Optional[mx.Dtype]:
+    """The float dtype a target is converted to at load time (None: as stored).
+
+    "auto" is float32 on the CPU, where MLX's quantized and half-precision matmuls are
+    scalar code and float32 goes through BLAS, and "stored" on a GPU (Metal), where
+    quantized weights are the fast path."""
+    dtype = "auto" if dtype is None else dtype
+    if dtype not in DTYPE_CHOICES:
+        raise EagleError(f"dtype must be one of {', '.join(DTYPE_CHOICES)} (got {dtype!r}).")
+    if dtype == "auto":
+        dtype = "float32" if mx.default_device() == mx.cpu else "stored"
+    return None if dtype == "stored" else getattr(mx, dtype)
+
+
+def convert_dtype(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
+    """Dequantize every quantized layer (in float32, exactly) and cast the float weights."""
+    from mlx.utils import tree_map, tree_unflatten
+
+    swaps = []
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(m.weight, m.scales.astype(mx.float32),
+                              None if m.biases is None else m.biases.astype(mx.float32),
+                              m.group_size, m.bits, mode=m.mode)
+            if isinstance(m, nn.QuantizedEmbedding):
+                new = nn.Embedding(*w.shape)
+            else:
+                new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+                if "bias" in m:
+                    new.bias = m.bias
+            new.weight = w
+            swaps.append((name, new))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    model.update(tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a,
+                          model.parameters()))
+    return model
+
+
+def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = None):
+    """Load a Llama/Mixtral target and its tokenizer from a folder, a Hub repo id or a
+    GGUF file (or a folder holding one).
+
+    dtype: "auto" (None), "stored", "float32", "float16" or "bfloat16"; see
+    `resolve_dtype`. Returns (Target, mlx-lm TokenizerWrapper).
     """
+    convert_to = resolve_dtype(dtype)
+    local = Path(str(path_or_repo)).expanduser()
+    gguf_file = find_gguf(local) if local.exists() else None
+    if gguf_file is not None:
+        path = gguf_file
+        model, config, tokenizer = load_gguf(gguf_file)
+    else:
+        path = resolve(path_or_repo, "model")
+        model, config, tokenizer = _load_mlx_lm(path, lazy)
+    if convert_to is not None:
+        model = convert_dtype(model, convert_to)
+        if not lazy:
+            mx.eval(model.parameters())
+    return Target(model, config, path), tokenizer
+
+
+def _load_mlx_lm(path: Path, lazy: bool):
     from mlx_lm.utils import load_model, load_tokenizer
 
-    path = resolve(path_or_repo, "model")
     config = read_config(path)
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -170,4 +231,4 @@ def load_target(path_or_repo: str, lazy: bool = False):
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
         raise EagleError(f"could not load the tokenizer in {path}: {reason(e)}") from None
-    return Target(model, config, path), tokenizer
+    return model, config, tokenizer

@@ -153,7 +153,7 @@ def test_quantized_target_loads_and_runs_trees(tiny_dir, tmp_path, bits, toleran
     qdir = tmp_path / f"q{bits}"
     convert(str(src), mlx_path=str(qdir), quantize=True, q_bits=bits, q_group_size=32)
     assert json.loads((qdir / "config.json").read_text())["quantization"]["bits"] == bits
-    qtarget, _ = load_target(str(qdir))
+    qtarget, _ = load_target(str(qdir), dtype="stored")
     ftarget, _ = load_target(str(src))
     rng = np.random.default_rng(3)
     prompt = rng.integers(3, 256, 10).tolist()

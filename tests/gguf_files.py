@@ -1,0 +1,176 @@
+"""GGUF files written the way llama.cpp's converter writes them, with the `gguf` package.
+
+A tiny transformers Llama's weights go in under llama.cpp's tensor names, with Q/K rows
+permuted as `convert_hf_to_gguf.py` does, each tensor in the ggml type a test asks for;
+the vocabulary is a byte-level BPE trained with `tokenizers` (`gpt2`) or a SentencePiece
+BPE trained with `sentencepiece` (`llama`, tokens + scores + types, no merges).
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+CORPUS = """The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst of times.
+def fibonacci(n):
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+In 2024, 12345 people paid $67.89 each; 3.14159 is close to pi and 1,000,000 is a million.
+Café, naïve, résumé, Übermaß, straße, 東京, 北京, こんにちは, 안녕하세요, Привет мир, مرحبا, 😀 🚀 ✨.
+    Indented text\twith tabs\tand   multiple   spaces.
+for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }  // C code
+SELECT name, age FROM users WHERE age >= 21 ORDER BY name;
+Machine learning models learn patterns from data; large language models predict the next token.
+Please write a short email to your colleague asking for a meeting next week about the project.
+"""
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def train_gpt2_vocab(vocab_size=400):
+    """(tokens, merges) of a byte-level BPE trained on CORPUS, specials first."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([CORPUS] * 20, trainer)
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    return tokens, merges, tok
+
+
+def train_spm_vocab(folder: Path, vocab_size=640):
+    """A SentencePiece BPE model (byte fallback) trained on CORPUS; returns the processor."""
+    import sentencepiece as spm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    prefix = str(folder / "spm")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.splitlines() * 20), model_prefix=prefix,
+        vocab_size=vocab_size, model_type="bpe", byte_fallback=True, character_coverage=1.0,
+        user_defined_symbols=["<|im_start|>", "<|im_end|>"], bos_id=1, eos_id=2, unk_id=0,
+        split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", minloglevel=2)
+    return spm.SentencePieceProcessor(model_file=prefix + ".model")
+
+
+def _permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("model.layers."):
+        _, _, i, rest = hf_name.split(".", 3)
+        base, part = rest.rsplit(".", 1)
+        return f"blk.{i}.{GGUF_NAMES[base]}.{part}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}[hf_name]
+
+
+def write_gguf(path: Path, hf_folder: Path, vocab: str, types=None, default="F32",
+               spm_processor=None, gpt2_vocab=None, pre="gpt2", add_bos=None):
+    """Write the transformers model in `hf_folder` as a llama GGUF.
+
+    types: {gguf tensor name (or a substring of it): ggml type name}; 2-D weights not named
+    get `default`, norms stay F32 (as llama.cpp keeps them)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    state = load_file(str(hf_folder / "model.safetensors"))
+    T = gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny test llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if vocab == "gpt2":
+        tokens, merges, _ = gpt2_vocab
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+        w.add_token_merges(merges)
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(bool(add_bos))
+    elif vocab == "llama":
+        sp = spm_processor
+        n = sp.get_piece_size()
+        tokens = [sp.id_to_piece(i) for i in range(n)]
+
+        def kind(i):
+            if sp.is_unknown(i):
+                return 2
+            if sp.is_control(i):
+                return 3
+            if sp.is_byte(i):
+                return 6
+            if sp.is_unused(i):
+                return 5
+            return 4 if tokens[i] in ("<|im_start|>", "<|im_end|>") else 1
+
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores([sp.get_score(i) for i in range(n)])
+        w.add_token_types([kind(i) for i in range(n)])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        if add_bos is not None:
+            w.add_add_bos_token(add_bos)
+    w.add_chat_template(CHATML)
+    types = types or {}
+    for hf_name, arr in state.items():
+        name = gguf_name(hf_name)
+        arr = arr.astype(np.float32)
+        if "attn_q" in name:
+            arr = _permute(arr, cfg["num_attention_heads"])
+        elif "attn_k" in name:
+            arr = _permute(arr, cfg["num_key_value_heads"])
+        if arr.ndim == 1:
+            w.add_tensor(name, arr)
+            continue
+        tname = next((v for k, v in types.items() if k in name), default)
+        qtype = T[tname]
+        if tname == "F32":
+            w.add_tensor(name, arr)
+        elif tname == "F16":
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,327 @@
+"""GGUF targets against transformers' own GGUF loader and the `gguf` package's dequantization.
+
+The files are written here with the PyPI `gguf` package the way llama.cpp's converter
+writes them (tensor names, permuted Q/K rows, ggml types, vocabulary metadata).
+"""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from eagle_mlx import load_target
+from gguf_files import (CHATML, CORPUS, SPECIALS, train_gpt2_vocab, train_spm_vocab,
+                        write_gguf)
+from tiny import ROOT, make_hf_model
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (test extra) is not installed")
+
+
+@pytest.fixture(scope="module")
+def gpt2_vocab():
+    return train_gpt2_vocab()
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory, gpt2_vocab):
+    """Two tiny transformers Llamas sized to the BPE vocabulary: GQA with tied
+    embeddings, and MHA with an untied lm_head."""
+    v = len(gpt2_vocab[0])
+    return {
+        "tied": make_hf_model(tmp_path_factory.mktemp("hf_tied"), vocab_size=v, num_hidden_layers=3,
+                              num_key_value_heads=2, tie_word_embeddings=True, rope_theta=100000.0),
+        "untied": make_hf_model(tmp_path_factory.mktemp("hf_untied"), vocab_size=v,
+                                num_hidden_layers=2),
+    }
+
+
+def hf_from_gguf(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+def hf_tokenizer_from_gguf(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def ids_of(encoded):
+    """Token ids from apply_chat_template (transformers 5 returns a BatchEncoding)."""
+    return list(encoded if isinstance(encoded, list) else encoded["input_ids"])
+
+
+def compare_with_transformers(path, atol=1e-4):
+    import torch
+
+    target, _ = load_target(str(path))
+    ids = np.random.default_rng(0).integers(3, target.vocab_size, 24).tolist()
+    ref = hf_from_gguf(path)
+    with torch.no_grad():
+        out = ref(torch.tensor([ids]), output_hidden_states=True)
+    h, tapped = target(mx.array([ids]), taps=tuple(range(target.num_layers)))
+    np.testing.assert_allclose(np.array(target.lm_head(h))[0], out.logits[0].numpy(), atol=atol, rtol=0)
+    for i, t in enumerate(tapped):
+        np.testing.assert_allclose(np.array(t)[0], out.hidden_states[i][0].numpy(), atol=atol, rtol=0)
+    return target, ref
+
+
+@pytest.mark.parametrize("kind,ftype", [("tied", "F32"), ("untied", "F32"), ("tied", "F16"),
+                                        ("untied", "BF16")])
+def test_float_gguf_matches_transformers(tmp_path, hf_folders, gpt2_vocab, kind, ftype):
+    path = write_gguf(tmp_path / f"{kind}-{ftype}.gguf", hf_folders[kind], "gpt2",
+                      default=ftype, gpt2_vocab=gpt2_vocab)
+    target, _ = compare_with_transformers(path)
+    assert target.config["tie_word_embeddings"] == (kind == "tied")
+
+
+QUANT_MIX = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0",
+             "attn_output": "Q4_1", "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0",
+             "output.weight": "Q4_0"}
+
+
+def test_quantized_gguf_keeps_each_tensors_bits_and_dequantizes_exactly(tmp_path, hf_folders, gpt2_vocab):
+    path = write_gguf(tmp_path / "mix.gguf", hf_folders["untied"], "gpt2", types=QUANT_MIX,
+                      gpt2_vocab=gpt2_vocab)
+    stored, _ = load_target(str(path), dtype="stored")
+    attn, mlp = stored.layers[0].self_attn, stored.layers[0].mlp
+    assert isinstance(stored.embed_tokens, nn.QuantizedEmbedding) and stored.embed_tokens.bits == 8
+    assert (attn.q_proj.bits, attn.k_proj.bits, attn.v_proj.bits, attn.o_proj.bits) == (4, 4, 8, 4)
+    assert (mlp.gate_proj.bits, mlp.up_proj.bits, mlp.down_proj.bits) == (4, 4, 8)
+    assert stored.model.lm_head.bits == 4
+
+    # dequantized (the CPU default) = the gguf package's own dequantization, bit for bit
+    target, ref = compare_with_transformers(path)
+    assert mx.default_device() == mx.cpu and target.dtype == mx.float32
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                   for _, m in target.model.named_modules())
+    reader = gguf.GGUFReader(str(path))
+    raw = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    ours = dict(__import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(target.model.parameters()))
+    for gname, mname in [("token_embd.weight", "model.embed_tokens.weight"),
+                         ("blk.1.attn_v.weight", "model.layers.1.self_attn.v_proj.weight"),
+                         ("blk.0.attn_output.weight", "model.layers.0.self_attn.o_proj.weight"),
+                         ("blk.1.ffn_up.weight", "model.layers.1.mlp.up_proj.weight"),
+                         ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"),
+                         ("output.weight", "lm_head.weight")]:
+        assert np.array_equal(np.array(ours[mname]), raw[gname].reshape(ours[mname].shape)), gname
+    # the permuted Q/K rows come back in transformers' order, exactly
+    ref_state = ref.state_dict()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        assert np.array_equal(np.array(ours[name]), ref_state[name].numpy()), name
+
+    # the stored (quantized) forward stays close to the dequantized one
+    ids = mx.array([[5, 17, 42, 99, 7, 150]])
+    a = np.array(stored.lm_head(stored(ids)[0]))
+    b = np.array(target.lm_head(target(ids)[0]))
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-3
+
+
+def _k_quant_bytes(qtype, rows, cols, rng):
+    """Random blocks of a K-quant type with sane float16 super-block scales."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scales = rng.uniform(0.0005, 0.003, (rows, cols // block, 2)).astype(np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # ql, qh, scales, d
+        data[..., size - 2:] = scales[..., :2]
+    else:  # d, dmin: last in Q2_K, first in Q4_K / Q5_K
+        at = size - 4 if qtype == gguf.GGMLQuantizationType.Q2_K else 0
+        data[..., at: at + 4] = scales
+    return data.reshape(rows, -1)
+
+
+def test_k_quant_tensors_dequantize_as_the_gguf_package_does(tmp_path):
+    """Q2_K / Q4_K / Q5_K / Q6_K (llama.cpp's usual Q4_K_M and Q5_K_M mixes) come back
+    as float16 values equal to the gguf package's reference dequantization."""
+    from eagle_mlx.gguf import read_header, read_tensor
+
+    T = gguf.GGMLQuantizationType
+    kinds = [T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K]
+    rng = np.random.default_rng(1)
+    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    for qtype in kinds:
+        w.add_tensor(qtype.name, _k_quant_bytes(qtype, 8, 512, rng), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _, infos = read_header(tmp_path / "k.gguf")
+    assert [t.type_name for t in infos] == [k.name for k in kinds]
+    data = np.memmap(tmp_path / "k.gguf", dtype=np.uint8, mode="r")
+    for t, ref in zip(infos, gguf.GGUFReader(str(tmp_path / "k.gguf")).tensors):
+        expected = gguf.quants.dequantize(ref.data, ref.tensor_type)
+        ours = np.array(read_tensor(data, t))
+        assert ours.dtype == np.float16 and ours.shape == (8, 512)
+        np.testing.assert_array_equal(ours, expected.astype(np.float16), err_msg=t.name)
+
+
+def test_convert_writes_a_gguf_target_as_an_mlx_folder(tmp_path, hf_folders, gpt2_vocab):
+    """`convert --model FILE.gguf` writes a folder mlx-lm itself loads: same quantized
+    layers and bits, same logits, same tokenizer and chat template."""
+    import mlx_lm
+
+    path = write_gguf(tmp_path / "mix.gguf", hf_folders["tied"], "gpt2", types=QUANT_MIX,
+                      gpt2_vocab=gpt2_vocab)
+    out = tmp_path / "mlx"
+    proc = subprocess.run([sys.executable, "-m", "eagle_mlx.convert", "--model", str(path),
+                           "--mlx-path", str(out)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    model, tok = mlx_lm.load(str(out))
+    ours, our_tok = load_target(str(path), dtype="stored")
+    assert model.model.layers[0].self_attn.q_proj.bits == 4
+    assert model.model.layers[0].self_attn.v_proj.bits == 8
+    ids = [3, 50, 120, 7, 260, 33]
+    np.testing.assert_array_equal(np.array(model(mx.array([ids]))),
+                                  np.array(ours.lm_head(ours(mx.array([ids]))[0])))
+    for s in sample_strings(40):
+        assert tok.encode(s) == our_tok.encode(s), s
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True) == \
+        our_tok.apply_chat_template(msgs, add_generation_prompt=True)
+
+
+# ------------------------------------------------------------------------- tokenizers
+
+def sample_strings(n=240):
+    """Strings a tokenizer gets wrong first: digits, Unicode, code, whitespace runs,
+    special tokens in the text, empty and one-character strings."""
+    rng = np.random.default_rng(7)
+    words = CORPUS.split() + ["", " ", "  ", "\n", "\n\n", "\t", "   x", "x   ", "1", "22", "333",
+                              "4444", "55555", "3.14", "1,000", "-7", "10%", "ﬁ", "é", "😀",
+                              "🚀🚀", "日本語", "'s", "'ll", "don't", "I'M", "HELLO", "snake_case",
+                              "camelCase", "a=b+c", "x**2", "{}", "[]", "()", "//", "#!"] + SPECIALS
+    out = ["", " ", "a", "1", "12", "123", "1234", "  leading", "trailing  ", "\n\nnew\n",
+           "<|im_start|>user\nHi<|im_end|>", CORPUS]
+    while len(out) < n:
+        k = int(rng.integers(1, 9))
+        seps = rng.choice([" ", "", "\n", "  ", "\t"], k)
+        out.append("".join(str(rng.choice(words)) + str(s) for s in seps))
+    return out
+
+
+def test_gpt2_vocabulary_matches_transformers_and_the_trained_tokenizer(tmp_path, hf_folders, gpt2_vocab):
+    path = write_gguf(tmp_path / "bpe.gguf", hf_folders["tied"], "gpt2", gpt2_vocab=gpt2_vocab)
+    _, ours = load_target(str(path))
+    ref = hf_tokenizer_from_gguf(path)
+    trained = gpt2_vocab[2]
+    strings = sample_strings()
+    assert len(strings) >= 200
+    for s in strings:
+        ids = ours.encode(s, add_special_tokens=True)
+        assert ids == ref.encode(s, add_special_tokens=True), s
+        if not any(sp in s for sp in SPECIALS):
+            assert ids == trained.encode(s).ids, s
+        assert ours.decode(ids) == s
+        detok = ours.detokenizer
+        detok.reset()
+        for t in ids:
+            detok.add_token(t)
+        detok.finalize()
+        # mlx-lm's streaming detokenizer drops one leading space of a reply, by design
+        assert detok.text == (s[1:] if s.startswith(" ") else s), s
+    msgs = [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "42."},
+            {"role": "user", "content": "Thanks!"}]
+    for gen in (True, False):
+        assert ours.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False) == \
+            ref.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+        assert ours.apply_chat_template(msgs, add_generation_prompt=gen) == \
+            ids_of(ref.apply_chat_template(msgs, add_generation_prompt=gen))
+    assert ours.chat_template == CHATML
+    assert 2 in ours.eos_token_ids
+
+
+def test_llama3_pre_tokenizer_matches_transformers(tmp_path, hf_folders, gpt2_vocab):
+    path = write_gguf(tmp_path / "bpe3.gguf", hf_folders["tied"], "gpt2", gpt2_vocab=gpt2_vocab,
+                      pre="llama-bpe", add_bos=True)
+    _, ours = load_target(str(path))
+    ref = hf_tokenizer_from_gguf(path)
+    for s in sample_strings():
+        ids = ours.encode(s)
+        assert ids == ref.encode(s), s
+        assert ids[0] == 0  # BOS added, as the file says
+
+
+def test_digit_splitting_pre_tokenizer(tmp_path, hf_folders, gpt2_vocab):
+    """SmolLM2's `smollm` pre-tokenizer splits every digit (its tokenizer.json puts
+    Digits(individual_digits) before the byte-level split)."""
+    from tokenizers import pre_tokenizers
+
+    path = write_gguf(tmp_path / "smol.gguf", hf_folders["tied"], "gpt2", gpt2_vocab=gpt2_vocab,
+                      pre="smollm")
+    _, ours = load_target(str(path))
+    trained = gpt2_vocab[2]
+    trained.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    for s in sample_strings():
+        if not any(sp in s for sp in SPECIALS):
+            assert ours.encode(s) == trained.encode(s).ids, s
+    assert all(len(ours.decode([t])) == 1 for t in ours.encode("2024 12345"))
+
+
+def test_sentencepiece_vocabulary_matches_sentencepiece_and_transformers(tmp_path, hf_folders):
+    sp = train_spm_vocab(tmp_path / "spm")
+    folder = make_hf_model(tmp_path / "hf_spm", vocab_size=sp.get_piece_size(), num_hidden_layers=2)
+    path = write_gguf(tmp_path / "spm.gguf", folder, "llama", spm_processor=sp)
+    target, ours = load_target(str(path))
+    ref = hf_tokenizer_from_gguf(path)
+    for s in sample_strings():
+        ids = ours.encode(s)
+        assert ids == ref.encode(s), s
+        # sentencepiece itself too, but for text that starts with whitespace, where
+        # transformers' Metaspace (which this follows) adds no second prefix space
+        if not any(sp_tok in s for sp_tok in SPECIALS) and not s[:1].isspace():
+            assert ids == [1] + sp.encode(s), s  # BOS: llama vocabularies add it by default
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+    msgs = [{"role": "user", "content": "Hello there, 2 + 2?"}]
+    assert ours.apply_chat_template(msgs, add_generation_prompt=True) == \
+        ids_of(ref.apply_chat_template(msgs, add_generation_prompt=True))
+    compare_with_transformers(path)
+
+
+# ------------------------------------------------------------------------- bad files
+
+def _run_generate(model):
+    return subprocess.run([sys.executable, "-m", "eagle_mlx.generate", "--model", str(model),
+                           "--prompt", "hi", "--max-tokens", "2"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_bad_gguf_files_end_in_one_sentence(tmp_path, hf_folders, gpt2_vocab):
+    good = write_gguf(tmp_path / "good.gguf", hf_folders["untied"], "gpt2", gpt2_vocab=gpt2_vocab)
+    data = good.read_bytes()
+    cases = {}
+    (tmp_path / "trunc").mkdir()
+    (tmp_path / "trunc" / "m.gguf").write_bytes(data[: len(data) - 3000])
+    cases["trunc/m.gguf"] = "truncated"
+    (tmp_path / "header.gguf").write_bytes(data[:200])
+    cases["header.gguf"] = "truncated"
+    arch = gguf.GGUFWriter(str(tmp_path / "arch.gguf"), "falcon")
+    arch.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    arch.write_header_to_file()
+    arch.write_kv_data_to_file()
+    arch.write_tensors_to_file()
+    arch.close()
+    cases["arch.gguf"] = "'falcon' model; supported architectures: llama"
+    write_gguf(tmp_path / "q5.gguf", hf_folders["untied"], "gpt2", types={"ffn_up": "Q5_0"},
+               gpt2_vocab=gpt2_vocab)
+    cases["q5.gguf"] = "tensor blk.0.ffn_up.weight"
+    write_gguf(tmp_path / "novocab.gguf", hf_folders["untied"], "none", gpt2_vocab=gpt2_vocab)
+    cases["novocab.gguf"] = "no vocabulary"
+    (tmp_path / "two").mkdir()
+    for n in ("a.gguf", "b.gguf"):
+        (tmp_path / "two" / n).write_bytes(data)
+    cases["two"] = "holds 2 .gguf files"
+    for name, expected in cases.items():
+        r = _run_generate(tmp_path / name)
+        assert r.returncode == 1, (name, r.stderr)
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert expected in r.stderr, (name, r.stderr)
+    assert "type Q5_0" in _run_generate(tmp_path / "q5.gguf").stderr
