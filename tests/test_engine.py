@@ -220,30 +220,97 @@ def _chi_square_p(counts, dist, runs):
 SAMPLING_CASES = [(SamplingParams(temp=1.0), "temp1"),
                   (SamplingParams(temp=0.7, top_k=5, top_p=0.9), "temp0.7-topk5-topp0.9")]
 
+# a fixed tree over a vocabulary of 6: root -> 3 children, two of which have children
+TREE_TOKENS = [0, 2, 0, 5, 1, 3, 4]
+TREE_PARENTS = [0, 0, 0, 0, 1, 1, 2]
+
+
+def _fixed_tree():
+    from eagle_mlx.tree import Tree, ancestors
+
+    parents = mx.array(TREE_PARENTS)
+    anc = ancestors(parents, 3)
+    return Tree(mx.array(TREE_TOKENS), parents, anc, anc.sum(axis=1) - 1)
+
+
+def _emitted_distribution(logprobs):
+    """P(emitted tokens) of a lossless sampler, by exact enumeration: the target samples
+    token after token from the distribution at the current node and goes on while the
+    tokens so far are a path of the tree; the first token off the tree ends the pass."""
+    probs = np.exp(np.array(logprobs, dtype=np.float64))
+    children = {}
+    for i in range(1, len(TREE_PARENTS)):
+        children.setdefault(TREE_PARENTS[i], {})[TREE_TOKENS[i]] = i
+    dist = {}
+
+    def walk(node, prefix, p):
+        for x in range(probs.shape[1]):
+            q = p * probs[node, x]
+            if q == 0:
+                continue
+            if x in children.get(node, {}):
+                walk(children[node][x], prefix + (x,), q)
+            else:
+                dist[prefix + (x,)] = dist.get(prefix + (x,), 0.0) + q
+    walk(0, (), 1.0)
+    return dist
+
+
+def _draw(rule, tree, logprobs, runs):
+    counts = {}
+    for seed in range(runs):
+        mx.random.seed(seed)
+        best, nxt = rule(tree, logprobs)
+        best, nxt = int(best), int(nxt)
+        path = [TREE_TOKENS[i] for i in range(1, len(TREE_TOKENS)) if bool(tree.anc[best, i])]
+        key = tuple(path) + (nxt,)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _fixed_logprobs(sampling):
+    from eagle_mlx.accept import process_logits
+
+    logits = mx.array(np.random.default_rng(11).normal(0, 1.5, (len(TREE_TOKENS), 6)),
+                      dtype=mx.float32)
+    return process_logits(logits, sampling.temp, sampling.top_p, sampling.top_k)
+
 
 @pytest.mark.parametrize("sampling,name", SAMPLING_CASES, ids=[c[1] for c in SAMPLING_CASES])
-def test_sampling_is_lossless(small_vocab_pair, sampling, name):
+def test_acceptance_sampling_is_lossless_on_a_fixed_tree(sampling, name):
+    """accept_sampling's output (accepted path + next token) has exactly the distribution
+    of sampling the target token by token (chi-square against exact enumeration)."""
+    from eagle_mlx.accept import accept_sampling
+
+    logprobs = _fixed_logprobs(sampling)
+    runs = 6000
+    counts = _draw(accept_sampling, _fixed_tree(), logprobs, runs)
+    dist = _emitted_distribution(logprobs)
+    assert set(counts) <= set(dist)  # never a sequence the target cannot produce
+    p_value, stat = _chi_square_p(counts, dist, runs)
+    assert p_value > 1e-3, (p_value, stat)  # a correct sampler fails this 1 time in 1000
+
+
+def test_a_wrong_residual_fails_the_same_test():
+    logprobs = _fixed_logprobs(SamplingParams(temp=1.0))
+    runs = 6000
+    counts = _draw(_wrong_residual, _fixed_tree(), logprobs, runs)
+    p_value, _ = _chi_square_p(counts, _emitted_distribution(logprobs), runs)
+    assert p_value < 1e-3, p_value
+
+
+def test_sampling_through_the_engine_is_lossless(small_vocab_pair):
+    """End to end (head, tree, caches, the settings' filters): the first three tokens of
+    a sampled generation have the target's exactly enumerated distribution."""
     target_dir, head_dir = small_vocab_pair
     model, _ = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
-    prompt, n_tokens, runs = [1, 4, 6], 3, 3000
+    sampling = SAMPLING_CASES[1][0]
+    prompt, n_tokens, runs = [1, 4, 6], 3, 1500
     tree = dict(total_tokens=10, depth=3, draft_top_k=3)
     counts = _sample_counts(model, prompt, runs, n_tokens, sampling, tree)
     dist = _exact_distribution(model, prompt, n_tokens, sampling)
     p_value, stat = _chi_square_p(counts, dist, runs)
-    # a correct sampler fails this 1 time in 1000
     assert p_value > 1e-3, (p_value, stat)
-
-
-def test_a_wrong_acceptance_rule_fails_the_same_test(small_vocab_pair, monkeypatch):
-    target_dir, head_dir = small_vocab_pair
-    model, _ = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
-    sampling = SamplingParams(temp=1.0)
-    prompt, n_tokens, runs = [1, 4, 6], 3, 3000
-    monkeypatch.setattr(speculative, "accept_sampling", _wrong_residual)
-    counts = _sample_counts(model, prompt, runs, n_tokens, sampling,
-                            dict(total_tokens=10, depth=3, draft_top_k=3))
-    p_value, _ = _chi_square_p(counts, _exact_distribution(model, prompt, n_tokens, sampling), runs)
-    assert p_value < 1e-3, p_value
 
 
 def _exact_match_rule(tree, logprobs):
