@@ -73,9 +73,25 @@ class Trainer:
         self.config = new_head_config(target)
         mx.random.seed(args.seed)  # the head's initial weights
         self.head = Eagle1Head(HeadArgs.from_config(self.config, "eagle1"))
+        if args.init_head:
+            self.init_from(args.init_head)
         self.optimizer = optim.AdamW(learning_rate=args.lr, betas=[0.9, 0.95], weight_decay=0.01)
         self.step, self.epoch, self.position = 0, 0, 0
+        self.tokens, self.seconds = 0, 0.0  # training tokens (batch rows, unpadded), time
         self.loss_and_grad = nn.value_and_grad(self.head, self.loss)
+
+    def init_from(self, path):
+        """Start from the weights of an existing EAGLE-1 head for this target."""
+        from .checkpoint import load_head
+
+        other = load_head(path, self.target)
+        mine = dict(tree_flatten(self.head.parameters()))
+        theirs = dict(tree_flatten(other.parameters()))
+        if other.kind != "eagle1" or set(theirs) != set(mine) or any(
+                theirs[k].shape != mine[k].shape for k in mine):
+            raise EagleError(f"--init-head {path} is not an EAGLE-1 head of the shape this run "
+                             "trains (same target, fc bias, one layer).")
+        self.head.load_weights([(k, v.astype(mx.float32)) for k, v in theirs.items()])
 
     # -------------------------------------------------------------- data
     def rendered(self, i):
@@ -97,7 +113,18 @@ class Trainer:
         for b, (t, m) in enumerate(rows):
             tokens[b, : len(t)] = t
             mask[b, : len(m)] = m
-        return mx.array(tokens), mx.array(mask), [i for i in ids]
+        return mx.array(tokens), mx.array(mask), [i for i in ids], sum(len(t) for t, _ in rows)
+
+    def tokens_until(self, epoch, position):
+        """Training tokens of every batch before (epoch, position), by replaying the order."""
+        total = 0
+        for e in range(epoch + 1):
+            order = self.epoch_order(e)
+            end = position if e == epoch else len(order)
+            for s in range(0, end, self.args.batch_size):
+                b = self.batch(order[s: s + self.args.batch_size])
+                total += b[3] if b is not None else 0
+        return total
 
     def features(self, tokens, ids):
         """Target post-norm features [B, L, H], computed now or read from the cache."""
@@ -134,7 +161,7 @@ class Trainer:
         return feats, tokens[:, 1:], target_feats, mx.stop_gradient(target_p), mask[:, :-1]
 
     def train_step(self, batch):
-        tokens, mask, ids = batch
+        tokens, mask, ids, _ = batch
         inputs = self.prepare(tokens, mask, ids, step_for_noise=self.step)
         (loss, vloss, ploss, correct, count), grads = self.loss_and_grad(self.head, *inputs)
         grads, _ = optim.clip_grad_norm(grads, self.args.grad_clip)
@@ -149,7 +176,7 @@ class Trainer:
             b = self.batch(self.eval_ids[s: s + self.args.batch_size])
             if b is None:
                 continue
-            loss, _, _, correct, count = self.loss(self.head, *self.prepare(*b))
+            loss, _, _, correct, count = self.loss(self.head, *self.prepare(*b[:3]))
             mx.eval(loss, correct, count)
             totals += loss.item()
             n_correct += correct.item()
@@ -165,7 +192,8 @@ class Trainer:
         arrays.update({f"opt.{k}": v for k, v in tree_flatten(self.optimizer.state)})
         mx.save_safetensors(str(self.out / CHECKPOINT_FILE), arrays)
         state = {"step": self.step, "epoch": self.epoch, "position": self.position,
-                 "seed": self.args.seed, "train_conversations": len(self.train_ids)}
+                 "seed": self.args.seed, "train_conversations": len(self.train_ids),
+                 "tokens": self.tokens, "seconds": round(self.seconds, 1)}
         (self.out / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         head_dir = self.out / "head"
         if head_dir.exists():
@@ -189,6 +217,9 @@ class Trainer:
         self.optimizer.state = tree_unflatten(
             [(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")])
         self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
+        self.seconds = float(state.get("seconds", 0.0))
+        self.tokens = state["tokens"] if "tokens" in state else \
+            self.tokens_until(self.epoch, self.position)
 
     # -------------------------------------------------------------- loop
     def run(self):
@@ -196,7 +227,7 @@ class Trainer:
 
         args = self.args
         log = open(self.out / LOG_FILE, "a")
-        start = time.time()
+        start, before = time.time(), self.seconds
         order = self.epoch_order(self.epoch)
         bar = tqdm(total=args.max_steps, initial=self.step, desc="training head", unit="step",
                    disable=args.quiet)
@@ -212,7 +243,8 @@ class Trainer:
                 continue
             metrics = self.train_step(b)
             self.step += 1
-            row = {"step": self.step, **metrics}
+            self.tokens += b[3]
+            row = {"step": self.step, **metrics, "tokens": self.tokens}
             if self.step % args.eval_every == 0 or self.step == args.max_steps:
                 last_eval = self.evaluate()
                 row.update(last_eval)
@@ -222,12 +254,14 @@ class Trainer:
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.3f}",
                             **({"eval_acc": f"{last_eval['eval_acc']:.3f}"} if last_eval else {}))
             if self.step % args.save_every == 0:
+                self.seconds = before + time.time() - start
                 self.save()
         bar.close()
         if not last_eval or self.step % args.eval_every:
             last_eval = self.evaluate()
             log.write(json.dumps({"step": self.step, **last_eval}) + "\n")
         log.close()
+        self.seconds = before + time.time() - start
         self.save()
         return last_eval, time.time() - start
 
@@ -266,6 +300,7 @@ def build_parser():
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--cache-features", help="folder to keep target features in between epochs")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--init-head", help="start a new run from this EAGLE-1 head's weights")
     p.add_argument("--export", help="also write the head in the published PyTorch-side layout here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -284,6 +319,9 @@ def _main(argv):
     out = Path(args.out)
     if out.exists() and not args.resume and any(out.iterdir()):
         raise UsageError(f"--out {out} is not empty; pass --resume to continue training there.")
+    if args.init_head and args.resume:
+        raise UsageError("--init-head starts a new run from a head; --resume continues the run in "
+                         "--out: give one of them.")
     if args.export and Path(args.export).exists():
         raise UsageError(f"--export {args.export} already exists; choose a new folder.")
     target, tokenizer = load_target(args.model)

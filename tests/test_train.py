@@ -126,3 +126,25 @@ def test_sharegpt_is_the_default_data():
     assert len(conversations) == 50
     assert all(any(m["role"] == "assistant" for m in c) for c in conversations)
     assert {m["role"] for c in conversations for m in c} <= {"user", "assistant", "system"}
+
+
+def test_a_run_starts_from_an_existing_head_and_counts_its_tokens(setup):
+    """--init-head: a new run starts from that head's weights (a demo head's training
+    continues on a new machine); the state counts the tokens of every batch it trained on."""
+    from mlx.utils import tree_flatten
+
+    root, target, data = setup
+    first, second = root / "seg1", root / "seg2"
+    assert train_main(["--model", str(target), "--data", str(data), "--out", str(first),
+                       "--max-steps", "3", *COMMON]) == 0
+    state = json.loads((first / "trainer_state.json").read_text())
+    rows = [r for r in log_rows(first) if "tokens" in r]
+    assert state["tokens"] == rows[-1]["tokens"] > rows[0]["tokens"] > 0 and state["seconds"] > 0
+    assert train_main(["--model", str(target), "--data", str(data), "--out", str(second),
+                       "--max-steps", "0", "--init-head", str(first / "head"), *COMMON]) == 0
+    t, _ = load_target(str(target))
+    a = dict(tree_flatten(load_head(str(first / "head"), t).parameters()))
+    b = dict(tree_flatten(load_head(str(second / "head"), t).parameters()))
+    assert all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
+    assert train_main(["--model", str(target), "--data", str(data), "--out", str(root / "seg3"),
+                       "--init-head", str(root), *COMMON]) == 1  # not a head folder
