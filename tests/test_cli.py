@@ -125,16 +125,18 @@ def test_repo_id_while_offline(pair, tmp_path):
     one_sentence(proc, 1, "someone/no-such-model", "HF_HUB_OFFLINE=1")
 
 
-def test_benchmark_writes_json_png_and_tuning(pair, tmp_path):
+def test_benchmark_writes_json_png_and_tuning(pair, tmp_path, monkeypatch):
     target, head = pair
     head_copy = tmp_path / "head"
     shutil.copytree(head, head_copy)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(cache))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "t5 t9 t11"}\n{"turns": ["t20 t21", "t22"]}\n')
     out = tmp_path / "bench.json"
     proc = cli("benchmark", "--model", target, "--eagle", head_copy, "--prompts", prompts,
                "--max-tokens", 12, "--trees", "4/2/2,8/3/2", "--temps", 0, 1,
-               "--output", out, "--save-tuning")
+               "--output", out, "--save-tuning", env={"EAGLE_MLX_CACHE": str(cache)})
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -148,12 +150,17 @@ def test_benchmark_writes_json_png_and_tuning(pair, tmp_path):
     split = report["overall"]["0.0"]["cycle_split"]
     assert set(split) == {"draft", "verify", "accept", "update", "other"}
     assert abs(sum(split.values()) - 1) < 1e-6
-    saved = json.loads((head_copy / "eagle_tuning.json").read_text())
-    assert saved["speculate"] == choice["speculate"]
+    # the choice lands in the user's cache, never in the head folder
+    assert sorted(p.name for p in head_copy.iterdir()) == sorted(p.name for p in head.iterdir())
+    [saved] = [json.loads(f.read_text()) for f in (cache / "tuning").glob("*.json")]
+    assert saved["choice"]["speculate"] == choice["speculate"]
     model, _ = eagle_mlx.load(str(target), eagle=str(head_copy))
     assert model.speculates == choice["speculate"]
     if choice["speculate"]:
         assert model.tree_settings() == {k: choice[k] for k in ("total_tokens", "depth", "draft_top_k")}
+    # another target dtype (or machine, head, target) does not see it
+    other, _ = eagle_mlx.load(str(target), eagle=str(head_copy), dtype="float16")
+    assert other.tuning is None
 
 
 def test_benchmark_reads_the_real_prompt_packages():

@@ -1,0 +1,80 @@
+"""The benchmark's tree choice, kept in the user's cache per head, target and machine.
+
+A choice measured on one machine (its verify cost curve, its head, its target in the dtype
+it ran) means nothing for another, and the head folder may be read-only or inside the
+installed package, so choices live in `$EAGLE_MLX_CACHE` (default
+`~/.cache/eagle_mlx`)/tuning, one file per (head, target, dtype, machine), found again by
+a hash of those.
+"""
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from .errors import EagleError
+
+CACHE_ENV = "EAGLE_MLX_CACHE"
+WEIGHT_SUFFIXES = (".json", ".safetensors", ".bin", ".gguf")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "eagle_mlx")
+    return Path(root).expanduser() / "tuning"
+
+
+def _files(path: Path) -> list:
+    """What identifies a model on disk: its resolved path and the sizes and modification
+    times of its weight and config files."""
+    path = Path(path).resolve()
+    files = [path] if path.is_file() else sorted(
+        f for f in path.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.name != "eagle_tuning.json")
+    return [str(path)] + [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files]
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "machine": platform.machine(),
+            "processor": platform.processor(), "device": str(mx.default_device()),
+            "mlx": mx.__version__}
+
+
+def _key(head_path, target_path, dtype) -> dict:
+    return {"head": _files(head_path), "target": _files(target_path), "dtype": str(dtype),
+            "machine": machine()}
+
+
+def tuning_path(head_path, target_path, dtype) -> Path:
+    digest = hashlib.sha256(json.dumps(_key(head_path, target_path, dtype), sort_keys=True)
+                            .encode()).hexdigest()[:20]
+    return cache_dir() / f"{digest}.json"
+
+
+def read_tuning(head_path, target_path, dtype) -> Optional[dict]:
+    f = tuning_path(head_path, target_path, dtype)
+    if not f.is_file():
+        return None
+    try:
+        tuning = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return None  # a damaged cache entry is ignored; the benchmark writes a new one
+    return tuning.get("choice") if isinstance(tuning, dict) and isinstance(tuning.get("choice"), dict) else None
+
+
+def write_tuning(head_path, target_path, dtype, choice: dict) -> Path:
+    f = tuning_path(head_path, target_path, dtype)
+    tmp = f.with_name(f".{f.name}.tmp-{os.getpid()}")
+    try:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"key": _key(head_path, target_path, dtype), "choice": choice},
+                                  indent=2) + "\n")
+        os.replace(tmp, f)
+    except OSError as e:
+        tmp.unlink(missing_ok=True) if tmp.parent.is_dir() else None
+        raise EagleError(f"could not write the tuning to {f} ({e.strerror}); set {CACHE_ENV} "
+                         "to a writable folder.") from None
+    return f
