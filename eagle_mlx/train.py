@@ -140,14 +140,16 @@ class Trainer:
         return hidden
 
     # -------------------------------------------------------------- loss
-    def loss(self, head, feats, toks, target_feats, target_p, mask):
+    def loss(self, head, feats, toks, target_feats, target_p, mask, sel):
+        """The recipe's loss; the vocabulary-wide part (logits, log-softmax, cross-entropy,
+        about half of a step) only at the `sel` positions, the ones the mask counts."""
         pred = head(feats, toks, self.target.embed_tokens)
-        logits = self.target.lm_head(pred)
+        logits = self.target.lm_head(pred.reshape(-1, pred.shape[-1])[sel])
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         denom = mask.sum() + 1e-5
-        ploss = -(mask * (target_p * logp).sum(-1)).sum() / denom
+        ploss = -(target_p * logp).sum() / denom
         vloss = (mask * smooth_l1(pred, target_feats).mean(-1)).sum() / denom
-        correct = ((logits.argmax(-1) == target_p.argmax(-1)) * mask).sum()
+        correct = (logits.argmax(-1) == target_p.argmax(-1)).sum()
         return vloss + 0.1 * ploss, vloss, ploss, correct, mask.sum()
 
     def prepare(self, tokens, mask, ids, step_for_noise=None):
@@ -156,9 +158,11 @@ class Trainer:
         if step_for_noise is not None and self.args.noise > 0:
             key = mx.random.key(self.args.seed * 1_000_003 + step_for_noise)
             feats = feats + mx.random.uniform(-self.args.noise, self.args.noise, feats.shape, key=key)
-        target_logits = self.target.lm_head(target_feats)
+        mask = mask[:, :-1]
+        sel = mx.array(np.flatnonzero(np.array(mask).reshape(-1) > 0).astype(np.int32))
+        target_logits = self.target.lm_head(target_feats.reshape(-1, target_feats.shape[-1])[sel])
         target_p = mx.softmax(target_logits.astype(mx.float32), axis=-1)
-        return feats, tokens[:, 1:], target_feats, mx.stop_gradient(target_p), mask[:, :-1]
+        return feats, tokens[:, 1:], target_feats, mx.stop_gradient(target_p), mask, sel
 
     def train_step(self, batch):
         tokens, mask, ids, _ = batch
