@@ -80,19 +80,19 @@ def test_real_pair_eagle_greedy_equals_plain_greedy(mt_bench_greedy):
     runs, _, _ = mt_bench_greedy
     model, tok = eagle_mlx.load(demo_gguf(), eagle=str(DEMO_DIR / "head"))
     ids, continuation = runs[0]
-    spec = list(eagle_mlx.stream_generate(model, tok, ids, max_tokens=40, total_tokens=8,
-                                          depth=4, draft_top_k=2))
+    spec = list(eagle_mlx.stream_generate(model, tok, ids, max_tokens=40))  # the default tree
     assert [t for r in spec for t in r.tokens] == continuation[:40]
-    assert spec[-1].mean_accept_length > 1.5  # the shipped head is really accepted
+    # the shipped head is really accepted (an untrained head gives about 1.0)
+    assert spec[-1].mean_accept_length > 1.3
 
 
 @requires_smollm2
 def test_the_readme_main_job_runs_offline(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "eagle_mlx.generate", "--prompt",
-                           "Give me three tips for writing a good email.", "--max-tokens", "16"],
+                           "Give me three tips for writing a good email.", "--max-tokens", "8"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout.split("==========\n")[1]
     assert "Acceptance: tau" in proc.stdout and "tokens-per-sec" in proc.stdout
-    assert sum(w.isalpha() for w in text.split()) >= 3  # words, not noise
+    assert sum(any(c.isalpha() for c in w) for w in text.split()) >= 3  # words, not noise
