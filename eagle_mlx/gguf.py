@@ -11,7 +11,6 @@ comes from the metadata, and the tokenizer is rebuilt from the vocabulary in the
 metadata and wrapped as mlx-lm's, so an mlx-lm model and tokenizer come out.
 """
 
-import json
 import re
 import struct
 from dataclasses import dataclass

@@ -4,7 +4,6 @@ The files are written here with the PyPI `gguf` package the way llama.cpp's conv
 writes them (tensor names, permuted Q/K rows, ggml types, vocabulary metadata).
 """
 
-import json
 import subprocess
 import sys
 
