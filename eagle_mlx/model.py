@@ -10,7 +10,7 @@ from .tuning import read_tuning
 # Tree defaults for Apple Silicon: verifying costs more per extra token on a Mac than on a
 # datacentre GPU, so the tree is small (the official 60 nodes / depth 7 / top-10 is tuned
 # for A100s). 16 nodes, depth 4, top-4 is the official code's small setting; the benchmark
-# measures this machine's verify cost curve and stores a better choice next to the head.
+# measures this machine's verify cost curve and stores a better choice in the user's cache.
 DEFAULT_TREE = {"total_tokens": 16, "depth": 4, "draft_top_k": 4}
 
 

@@ -74,7 +74,8 @@ def write_tuning(head_path, target_path, dtype, choice: dict) -> Path:
                                   indent=2) + "\n")
         os.replace(tmp, f)
     except OSError as e:
-        tmp.unlink(missing_ok=True) if tmp.parent.is_dir() else None
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
         raise EagleError(f"could not write the tuning to {f} ({e.strerror}); set {CACHE_ENV} "
                          "to a writable folder.") from None
     return f

