@@ -20,6 +20,7 @@ that launcher (a faster BLAS for MLX's CPU backend); OPENBLAS_NUM_THREADS=1 keep
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,10 +58,13 @@ def main():
             work.mkdir(parents=True, exist_ok=True)
             (work / PREVIOUS).write_text(json.dumps(shipped, indent=2) + "\n")
         launcher = [args.fastblas] if args.fastblas else []
+        # the trainer imports this checkout's eagle_mlx, installed or not
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         rc = subprocess.call([sys.executable, *launcher, "-m", "eagle_mlx.train", "--model",
                               str(target), "--out", str(work), "--max-steps", "1000000",
                               "--max-time", str(args.minutes * 60), *TRAIN_ARGS, *start],
-                             cwd=ROOT)
+                             cwd=ROOT, env=env)
         if rc:
             raise SystemExit(rc)
     ship(work, target)
