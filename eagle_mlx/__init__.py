@@ -8,9 +8,10 @@
 from .checkpoint import load_head
 from .errors import EagleError
 from .generation import GenerationResponse, generate, stream_generate
+from .speculative import PromptCache
 from .model import EagleModel, load
 from .target import Target, load_target
 
 __version__ = "0.1.0"
 __all__ = ["EagleError", "EagleModel", "GenerationResponse", "Target", "generate", "load",
-           "load_head", "load_target", "stream_generate"]
+           "load_head", "load_target", "PromptCache", "stream_generate"]

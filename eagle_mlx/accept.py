@@ -15,19 +15,25 @@ token comes from p with all children zeroed. The output distribution is the targ
 """
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .tree import Tree
 
 
-def process_logits(logits: mx.array, temp: float, top_p: float = 1.0, top_k: int = 0) -> mx.array:
-    """Target logits [..., V] -> normalised log-probabilities after temperature, top-k, top-p."""
-    logprobs = logits.astype(mx.float32) / temp
+def process_logits(logits: mx.array, temp: float, top_p: float = 1.0, top_k: int = 0,
+                   min_p: float = 0.0) -> mx.array:
+    """Target logits [..., V] -> the normalised log-probabilities that mlx-lm's
+    `make_sampler(temp, top_p, min_p, top_k)` samples from: top-p, min-p and top-k filter
+    the untempered distribution (in that order), then the temperature scales what is left."""
+    logprobs = logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-    if 0 < top_k < logits.shape[-1]:
-        logprobs = apply_top_k(logprobs, top_k)
     if 0 < top_p < 1.0:
         logprobs = apply_top_p(logprobs, top_p)
+    if min_p > 0:
+        logprobs = apply_min_p(logprobs, min_p)
+    if 0 < top_k < logits.shape[-1]:
+        logprobs = apply_top_k(logprobs, top_k)
+    logprobs = logprobs * (1 / temp)
     return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
 
 

@@ -56,26 +56,96 @@ _NO_TIMER = _NoTimer()
 
 @dataclass
 class SamplingParams:
+    """mlx-lm's sampling settings, meant as `mlx_lm.sample_utils.make_sampler` means them:
+    top-p, min-p and top-k filter the untempered distribution, then the temperature."""
+
     temp: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+
+    def logprobs(self, logits: mx.array) -> mx.array:
+        """The distribution tokens are drawn from, as normalised log-probabilities."""
+        return process_logits(logits, self.temp, self.top_p, self.top_k, self.min_p)
 
     def pick(self, logits: mx.array) -> mx.array:
-        """The next token from target logits [V]."""
+        """The next token from target logits (or log-probabilities) [V]."""
         if self.temp == 0:
             return logits.argmax(axis=-1)
-        return mx.random.categorical(process_logits(logits, self.temp, self.top_p, self.top_k))
+        return mx.random.categorical(self.logprobs(logits))
+
+
+# mlx-lm's stream for generation work (its generate_step computes there too)
+generation_stream = mx.new_stream(mx.default_device())
+PREFILL_STEP_SIZE = 2048  # prompt tokens per prefill chunk, as mlx-lm's generate_step
+
+
+class PromptCache:
+    """The target's and the head's caches after a generation, kept for the next call.
+
+    Pass the same PromptCache to successive `stream_generate` calls (a chat, a server's
+    conversation): a prompt that starts with the tokens the caches hold is prefilled
+    only from where it differs. `tokens` are the ids whose keys and values the target
+    cache holds; the head cache holds fewer positions, and `features` are the target
+    features of the positions between the two (the head's pending input).
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.owner = None      # (target, head or None): what the caches belong to
+        self.tokens: List[int] = []
+        self.target = None     # the target's per-layer caches
+        self.head = None       # the head's cache (EAGLE only)
+        self.features = None   # [target offset - head offset, F]
+        self.valid = False     # False while a cycle is under way (or was interrupted)
+
+    def reuse(self, owner, prompt: Sequence[int]) -> int:
+        """Make the caches hold a prefix of `prompt` (at most all but its last token) and
+        return its length; 0 when nothing can be reused (then the caches are fresh)."""
+        if not self.valid or self.owner is None or self.owner[0] is not owner[0] \
+                or self.owner[1] is not owner[1]:
+            self.reset()
+            self.owner = owner
+            return 0
+        common = 0
+        limit = min(len(self.tokens), len(prompt) - 1)
+        while common < limit and self.tokens[common] == prompt[common]:
+            common += 1
+        if self.head is not None and common < self.head.offset:
+            self.head.truncate(common)  # the pending features are too late to use
+            self.features = None
+        if self.head is not None:
+            keep = common - self.head.offset
+            self.features = self.features[:keep] if keep > 0 else None
+        for c in self.target:
+            c.truncate(common)
+        self.tokens = self.tokens[:common]
+        self.valid = False
+        return common
 
 
 def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
-                max_context: int) -> Iterator[Step]:
+                max_context: int, prompt_cache: Optional[PromptCache] = None) -> Iterator[Step]:
     """Autoregressive decoding of the target alone through mlx-lm's `generate_step`."""
     from mlx_lm.generate import generate_step
 
+    pc = prompt_cache if prompt_cache is not None else PromptCache()
+    start = pc.reuse((target, None), prompt)
+    if start == 0:
+        pc.target = target.make_cache()
+    cached = list(prompt)
     n = len(prompt)  # tokens in the cache once the last yielded token is fed
-    for token, _ in generate_step(mx.array(list(prompt)), target.model, max_tokens=-1,
-                                  sampler=sampling.pick):
-        yield Step([int(token)], None)  # nothing drafted
+    for token, _ in generate_step(mx.array(list(prompt[start:])), target.model, max_tokens=-1,
+                                  sampler=sampling.pick, prompt_cache=pc.target,
+                                  prefill_step_size=PREFILL_STEP_SIZE):
+        token = int(token)
+        cached.append(token)
+        # generate_step has fed the token it yields (it computes one step ahead)
+        pc.tokens, pc.valid = cached[: pc.target[0].offset], True
+        yield Step([token], None)  # nothing drafted
+        pc.valid = False
         n += 1
         if n > max_context:  # the next token would need a position past the context
             return
@@ -84,11 +154,13 @@ def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
 def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
                 total_tokens: int, depth: int, draft_top_k: int,
                 tree_choices=None, max_context: Optional[int] = None,
-                trace: bool = False, timer: Optional["PhaseTimer"] = None) -> Iterator[Step]:
+                trace: bool = False, timer: Optional["PhaseTimer"] = None,
+                prompt_cache: Optional[PromptCache] = None) -> Iterator[Step]:
     """Speculative decoding with an EAGLE head; yields one Step per target forward.
 
     trace: attach the verified tree to every Step. timer: time the phases of each cycle
-    (this adds a sync after each phase, so use it to profile, not to measure speed)."""
+    (this adds a sync after each phase, so use it to profile, not to measure speed).
+    prompt_cache: reuse (and leave behind) the caches of an earlier call."""
     timer = timer or _NO_TIMER
     max_context = max_context or target.max_context
     taps = target.eagle3_taps if head.kind == "eagle3" else ()
@@ -99,66 +171,89 @@ def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
         # EAGLE-1/2: post-norm last hidden state; EAGLE-3: low, mid, high layer inputs
         return (mx.concatenate(tapped, axis=-1) if taps else hidden)[0]
 
-    # 1. prefill: fill the target cache, sample the root token, hand over features
-    cache, head_cache = target.make_cache(), head.make_cache()
+    # 1. prefill what the caches lack, in chunks; sample the root token
+    pc = prompt_cache if prompt_cache is not None else PromptCache()
+    start = pc.reuse((target, head), prompt)
+    if start == 0:
+        pc.target, pc.head, pc.features = target.make_cache(), head.make_cache(), None
+    cache, head_cache = pc.target, pc.head
     prompt_ids = mx.array(list(prompt))
-    hidden, tapped = target(prompt_ids[None], cache, taps=taps)
-    root = sampling.pick(target.lm_head(hidden[0, -1]))
-    feats = features(hidden, tapped)                                   # [n, F]
-    head_tokens = mx.concatenate([prompt_ids[1:], root.reshape(1).astype(prompt_ids.dtype)])
+    chunks = [] if pc.features is None else [pc.features]  # features the head has not seen
+    with mx.stream(generation_stream):
+        for a in range(start, len(prompt), PREFILL_STEP_SIZE):
+            hidden, tapped = target(prompt_ids[None, a : a + PREFILL_STEP_SIZE], cache, taps=taps)
+            chunks.append(features(hidden, tapped))
+            if a + PREFILL_STEP_SIZE < len(prompt):
+                mx.eval(chunks[-1], [c.keys for c in cache])
+                mx.clear_cache()
+        root = sampling.pick(target.lm_head(hidden[0, -1]))
+        feats = mx.concatenate(chunks) if len(chunks) > 1 else chunks[0]   # [n - head offset, F]
+        head_tokens = mx.concatenate([prompt_ids[head_cache.offset + 1:],
+                                      root.reshape(1).astype(prompt_ids.dtype)])
     n = len(prompt)
     root_token = root.item()  # SYNC: the first token is output now
+    cached = list(prompt) + [root_token]  # the root is fed (as tree node 0) next cycle
+
+    def settle():  # the caches are consistent again: record them for the next call
+        pc.tokens, pc.features, pc.valid = cached[:n], feats, True
+
+    settle()
     yield Step([root_token], None)
+    pc.valid = False
     timer.start()
 
     while n + tree_depth < max_context:
-        # 2. draft a tree with the head (catch-up on the new positions first)
-        if static is not None:
-            tree = static.draft(head, target, head_cache, feats, head_tokens, root)
-        else:
-            tree = draft_dynamic(head, target, head_cache, feats, head_tokens, root,
-                                 total_tokens, depth, draft_top_k)
-        timer.lap("draft", tree.tokens, tree.anc)
-        # 3. verify: one target forward over the whole tree, after the n cached tokens
-        size = tree.tokens.shape[0]
-        mask = mx.concatenate([mx.ones((size, n), dtype=mx.bool_), tree.anc], axis=1)
-        hidden, tapped = target(tree.tokens[None], cache, positions=n + tree.depth,
-                                mask=mask, taps=taps)
-        logits = target.lm_head(hidden[0])                             # [size, V]
-        timer.lap("verify", logits)
-        # 4. accept the deepest node whose whole path the target agrees with
-        if sampling.temp == 0:
-            best, bonus = accept_greedy(tree, logits)
-        else:
-            logprobs = process_logits(logits, sampling.temp, sampling.top_p, sampling.top_k)
-            best, bonus = accept_sampling(tree, logprobs)
-        path_mask = tree.anc[best]
-        # SYNC (once per cycle): which nodes were accepted, and the next root token
-        mx.eval(path_mask, tree.tokens, bonus)
-        path = np.flatnonzero(np.array(path_mask)).tolist()  # root first: parents precede
-        tokens = tree.tokens.tolist()
-        root_token = bonus.item()
-        timer.lap("accept")
-        # 5. update: keep the accepted rows of the target cache, hand their features on
-        path_idx = mx.array(path)
-        for c in cache:
-            c.keep(n, n + path_idx)
-        n += len(path)
-        feats = features(hidden, tapped)[path_idx]
-        out = [tokens[i] for i in path[1:]] + [root_token]
-        head_tokens = mx.array(out, dtype=prompt_ids.dtype)
-        root = mx.array(root_token)
-        timer.lap("update", feats, *[c.keys for c in cache])
+        with mx.stream(generation_stream):
+            # 2. draft a tree with the head (catch-up on the new positions first)
+            if static is not None:
+                tree = static.draft(head, target, head_cache, feats, head_tokens, root)
+            else:
+                tree = draft_dynamic(head, target, head_cache, feats, head_tokens, root,
+                                     total_tokens, depth, draft_top_k)
+            timer.lap("draft", tree.tokens, tree.anc)
+            # 3. verify: one target forward over the whole tree, after the n cached tokens
+            size = tree.tokens.shape[0]
+            mask = mx.concatenate([mx.ones((size, n), dtype=mx.bool_), tree.anc], axis=1)
+            hidden, tapped = target(tree.tokens[None], cache, positions=n + tree.depth,
+                                    mask=mask, taps=taps)
+            logits = target.lm_head(hidden[0])                         # [size, V]
+            timer.lap("verify", logits)
+            # 4. accept the deepest node whose whole path the target agrees with
+            if sampling.temp == 0:
+                best, bonus = accept_greedy(tree, logits)
+            else:
+                best, bonus = accept_sampling(tree, sampling.logprobs(logits))
+            path_mask = tree.anc[best]
+            # SYNC (once per cycle): which nodes were accepted, and the next root token
+            mx.eval(path_mask, tree.tokens, bonus)
+            path = np.flatnonzero(np.array(path_mask)).tolist()  # root first: parents precede
+            tokens = tree.tokens.tolist()
+            root_token = bonus.item()
+            timer.lap("accept")
+            # 5. update: keep the accepted rows of the target cache, hand their features on
+            path_idx = mx.array(path)
+            for c in cache:
+                c.keep(n, n + path_idx)
+            n += len(path)
+            feats = features(hidden, tapped)[path_idx]
+            out = [tokens[i] for i in path[1:]] + [root_token]
+            head_tokens = mx.array(out, dtype=prompt_ids.dtype)
+            root = mx.array(root_token)
+            timer.lap("update", feats, *[c.keys for c in cache])
+        cached += out
         traced = None
         if trace:
             traced = {"tokens": tokens, "parents": tree.parents.tolist(),
                       "depth": tree.depth.tolist()}
+        settle()
         yield Step(out, len(path) - 1, traced)
+        pc.valid = False
         timer.start()
 
-    # near the context limit no tree fits: finish with plain steps
+    # near the context limit no tree fits: finish with plain steps (the caches are not kept)
     while n < max_context:
-        hidden, _ = target(root.reshape(1, 1), cache)
-        n += 1
-        root = sampling.pick(target.lm_head(hidden[0, -1]))
+        with mx.stream(generation_stream):
+            hidden, _ = target(root.reshape(1, 1), cache)
+            n += 1
+            root = sampling.pick(target.lm_head(hidden[0, -1]))
         yield Step([root.item()], 0)  # SYNC: one token per step here

@@ -434,7 +434,7 @@ def test_empty_prompt_and_bad_settings(pair):
         list(eagle_mlx.stream_generate(model, tok, [4], max_tokens=0))
     with pytest.raises(EagleError, match="top_p"):
         list(eagle_mlx.stream_generate(model, tok, [4], top_p=2.0))
-    with pytest.raises(EagleError, match="total_tokens must be between 2 and 7"):
+    with pytest.raises(EagleError, match="total_tokens must be at most 7 for depth 1"):
         list(eagle_mlx.stream_generate(model, tok, [4], total_tokens=9, depth=1, draft_top_k=2))
 
 
@@ -444,3 +444,95 @@ def test_streamed_text_is_the_decoded_output(pair):
     tokens = [t for r in rs for t in r.tokens]
     assert "".join(r.text for r in rs) == tok.decode(tokens)
     assert eagle_mlx.generate(model, tok, "t5 t9 t11", max_tokens=30) == tok.decode(tokens)
+
+
+def _numpy_sampling_distribution(logits, temp, top_p, min_p, top_k):
+    """mlx-lm's make_sampler order, written independently: top-p, min-p and top-k filter
+    the untempered distribution, then the temperature scales what is left."""
+    lp = logits.astype(np.float64)
+    lp = lp - np.log(np.exp(lp - lp.max()).sum()) - lp.max()
+    keep = np.ones(lp.shape, dtype=bool)
+    if 0 < top_p < 1:  # a token stays while the tokens more likely than it hold < top_p
+        order = np.argsort(-lp)
+        mass_before = np.concatenate([[0.0], np.cumsum(np.exp(lp[order]))[:-1]])
+        keep[order[mass_before >= top_p]] = False
+    if min_p > 0:
+        keep &= lp >= lp.max() + np.log(min_p)
+    if 0 < top_k < len(lp):
+        ranked = np.argsort(-np.where(keep, lp, -np.inf))
+        keep[ranked[top_k:]] = False
+    z = np.where(keep, lp / temp, -np.inf)
+    p = np.exp(z - z[keep].max())
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("temp,top_p,min_p,top_k", [
+    (1.0, 1.0, 0.0, 0), (0.7, 0.9, 0.0, 0), (1.3, 1.0, 0.05, 0), (0.5, 1.0, 0.0, 7),
+    (2.0, 0.8, 0.02, 12), (0.9, 0.95, 0.1, 5),
+])
+def test_sampling_follows_mlx_lm_order(temp, top_p, min_p, top_k):
+    from mlx_lm.sample_utils import make_sampler
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 2.0, 50).astype(np.float32)
+    sampling = SamplingParams(temp, top_p, top_k, min_p)
+    ours = np.exp(np.array(sampling.logprobs(mx.array(logits))))
+    np.testing.assert_allclose(ours, _numpy_sampling_distribution(logits, temp, top_p, min_p, top_k),
+                               atol=1e-6)
+    # with the same random state, plain decoding draws exactly what mlx-lm's sampler draws
+    sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+    x = mx.array(logits)
+    logprobs = x - mx.logsumexp(x)
+    same = 0
+    for seed in range(300):
+        mx.random.seed(seed)
+        a = sampler(logprobs[None]).item()
+        mx.random.seed(seed)
+        same += a == sampling.pick(x[None]).item()  # [1, V], as generate_step passes it
+    assert same >= 297, same
+
+
+@pytest.mark.parametrize("speculate", [True, False], ids=["eagle", "plain"])
+def test_prompt_cache_prefills_only_what_changed(pair, monkeypatch, speculate):
+    """A conversation's next turn through a PromptCache: the output equals a fresh run on
+    the whole prompt, and the target runs only the tokens after the shared prefix."""
+    from eagle_mlx.target import Target
+
+    _, model, tok = pair
+    fed = []  # tokens per target forward (the tree forward, or mlx-lm's for plain decoding)
+    for cls in (Target, type(model.target.model)):
+        def counting(self, tokens, *a, _call=cls.__call__, **k):
+            fed.append(tokens.shape[1])
+            return _call(self, tokens, *a, **k)
+        monkeypatch.setattr(cls, "__call__", counting)
+
+    def prefilled():  # mlx-lm's generate_step runs the last prompt token on its own
+        return fed[0] if speculate else fed[0] + 1
+
+    def run(prompt, cache=None, n=12):
+        fed.clear()
+        return [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=n,
+                                                     speculate=speculate, prompt_cache=cache)
+                for t in r.tokens]
+
+    cache = eagle_mlx.PromptCache()
+    first_prompt = [5, 9, 11, 3, 7]
+    first = run(first_prompt, cache)
+    second_prompt = first_prompt + first + [13, 17, 19]
+    second = run(second_prompt, cache)
+    prefill = prefilled()
+    assert second == run(second_prompt)
+    # the caches held the first prompt and the output but its last token (or more)
+    assert prefill <= 4, (prefill, len(second_prompt))
+    # a prompt that leaves the conversation early reuses only the common start
+    third_prompt = first_prompt[:3] + [21, 23]
+    third = run(third_prompt, cache)
+    assert prefilled() == 2 and third == run(third_prompt)
+    # a generation abandoned mid-stream leaves a cache the next call can still use
+    stream = eagle_mlx.stream_generate(model, tok, first_prompt, max_tokens=30,
+                                       speculate=speculate, prompt_cache=cache)
+    partial = next(stream).tokens + next(stream).tokens
+    stream.close()
+    fourth = first_prompt + partial + [29]
+    reused = run(fourth, cache)
+    assert prefilled() < len(fourth) and reused == run(fourth)
