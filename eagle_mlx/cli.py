@@ -13,6 +13,14 @@ class UsageError(EagleError):
     """A bad flag value: exit code 2, as argparse uses for usage errors."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with its errors in one line (the usage is in --help), exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message} (see {self.prog} --help).", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def run_cli(main, argv=None) -> int:
     """Run main(argv); an EagleError prints its sentence and exits 1 (2 for usage errors)."""
     try:
@@ -49,8 +57,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", "-m", type=int, default=256, help="most tokens to generate")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than min-p times the most likely one (0: off)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed")
+    p.add_argument("--seed", type=int, default=None, help="random seed (0 to 2**64 - 1)")
     p.add_argument("--system-prompt", default=None, help="system message for the chat template")
     p.add_argument("--total-tokens", type=int, default=None,
                    help="nodes in the draft tree, root included (default: tuned or 16)")
@@ -62,22 +72,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_sampling_args(args) -> None:
-    """Flag values a user can get wrong: one sentence each, exit code 2."""
-    if args.max_tokens < 1:
-        raise UsageError(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
-    if args.temp < 0:
-        raise UsageError(f"--temp must be 0 (greedy) or positive (got {args.temp}).")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1] (got {args.top_p}).")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be 0 (off) or positive (got {args.top_k}).")
-    for flag in ("total_tokens", "depth", "draft_top_k"):
-        value = getattr(args, flag)
-        minimum = 2 if flag == "total_tokens" else 1
-        if value is not None and value < minimum:
-            raise UsageError(f"--{flag.replace('_', '-')} must be at least {minimum} (got {value}).")
+    """Flag values a user can get wrong: one sentence each, exit code 2, before loading."""
+    from .generation import check_values
+
     if args.tree_choices is not None:
         args.tree_choices = parse_tree_choices(args.tree_choices)
+    try:
+        check_values(args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p, args.seed,
+                     args.total_tokens, args.depth, args.draft_top_k, args.tree_choices,
+                     name=lambda n: "--" + n.replace("_", "-"))
+    except EagleError as e:
+        raise UsageError(str(e)) from None
 
 
 def parse_tree_choices(text: str):
@@ -86,14 +91,28 @@ def parse_tree_choices(text: str):
     try:
         choices = json.loads(text)
     except json.JSONDecodeError:
-        choices = None
-    if not (isinstance(choices, list) and choices and all(
-            isinstance(c, list) and c and all(isinstance(r, int) for r in c) for c in choices)):
         raise UsageError(
             f"--tree-choices must be {', '.join(NAMED_TREES)} or a JSON list of paths such as "
             f"[[0],[1],[0,0]] (got {text!r})."
-        )
+        ) from None
     return choices
+
+
+def text_arg(text: str, flag: str) -> str:
+    """A text flag (argv is decoded with surrogate escapes): refuse bytes that are not UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"{flag} is not valid UTF-8 text.") from None
+    return text
+
+
+def read_stdin(flag: str) -> str:
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} - read bytes from stdin that are not valid UTF-8 text.") from None
 
 
 def load_from_args(args):
@@ -110,8 +129,30 @@ def load_from_args(args):
 
 def generation_kwargs(args) -> dict:
     return dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p,
                 total_tokens=args.total_tokens, depth=args.depth, draft_top_k=args.draft_top_k,
                 tree_choices=args.tree_choices)
+
+
+def describe_mode(model, args) -> str:
+    """What a generation with these flags runs: plain decoding or the tree actually used."""
+    from .generation import tree_plan
+
+    tree = tree_plan(model, args.total_tokens, args.depth, args.draft_top_k, args.tree_choices)
+    if tree is None:
+        if model.head is not None:
+            return "plain decoding: the benchmark found that speculation does not pay here"
+        return "plain decoding"
+    if tree.get("static"):
+        shape = (f"static tree of {tree['total_tokens']} nodes, depth {tree['depth']}, "
+                 f"draft_top_k {tree['draft_top_k']}")
+    else:
+        shape = (f"dynamic tree: total_tokens {tree['total_tokens']}, depth {tree['depth']}, "
+                 f"draft_top_k {tree['draft_top_k']}")
+    source = "tuned" if model.tuning and model.tuning.get("speculate", True) else "default"
+    explicit = any(getattr(args, k) is not None for k in
+                   ("total_tokens", "depth", "draft_top_k", "tree_choices"))
+    return f"{model.head.kind} head, {shape} ({'flags' if explicit else source})"
 
 
 def chat_prompt(tokenizer, messages, use_template: bool = True):

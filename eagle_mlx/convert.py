@@ -9,12 +9,13 @@ Detects EAGLE-1 vs EAGLE-3, checks every key and shape (and the pair, with --mod
 optionally casts (--dtype) or quantizes (-q), and writes the folders atomically.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
-from .checkpoint import DTYPES, _atomic_dir, build_head, read_head, save_head
+from .checkpoint import DTYPES, build_head, read_head, save_head
+from .cli import ArgumentParser
 from .errors import EagleError
+from .outputs import atomic_dir, check_new_dir
 
 
 def main(argv=None) -> int:
@@ -23,8 +24,8 @@ def main(argv=None) -> int:
     return run_cli(_main, argv)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="python -m eagle_mlx.convert",
         description="Convert an EAGLE-1/EAGLE-3 head (PyTorch, local or Hugging Face) to MLX.",
     )
@@ -70,7 +71,7 @@ def save_target(target, tokenizer, out: Path, dtype=None, q_bits=None, q_group_s
         save_config(config, config_path=tmp / "config.json")
         tokenizer.save_pretrained(str(tmp))
 
-    _atomic_dir(out, write)
+    atomic_dir(out, write)
 
 
 def _main(argv) -> int:
@@ -79,13 +80,13 @@ def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     if not args.eagle and not args.model:
         raise UsageError("give --eagle (a head to convert), --model (a target to convert), or both.")
-    out = Path(args.mlx_path)
-    if out.exists():
-        raise EagleError(f"--mlx-path {out} already exists; choose a new folder.")
+    out = check_new_dir(args.mlx_path, "--mlx-path")
     model_out = (Path(args.model_mlx_path or f"{out}-target") if args.eagle else out) \
         if args.model else None
-    if args.eagle and model_out is not None and model_out.exists():
-        raise EagleError(f"--model-mlx-path {model_out} already exists; choose a new folder.")
+    if args.eagle and model_out is not None:
+        check_new_dir(model_out, "--model-mlx-path")
+        if model_out.absolute() == out.absolute():
+            raise EagleError("--model-mlx-path must differ from --mlx-path.")
     head = target = None
     if args.eagle:
         config, weights, path = read_head(args.eagle)
@@ -106,7 +107,7 @@ def _main(argv) -> int:
                 mlx_convert(str(target.path), mlx_path=str(tmp), quantize=args.quantize,
                             q_bits=args.q_bits, q_group_size=args.q_group_size, dtype=args.dtype)
 
-            _atomic_dir(model_out, write_target)
+            atomic_dir(model_out, write_target)
     if head is not None:
         try:
             save_head(head, config, out, dtype=args.dtype,

@@ -6,16 +6,17 @@ Flags follow `mlx_lm.generate`; `--eagle` adds a draft head (omitted: plain deco
         --eagle yuhuili/EAGLE-LLaMA3.1-Instruct-8B --prompt "Write a haiku about tea."
 """
 
-import argparse
-import json
 import sys
+import types
 
-from .cli import (UsageError, add_model_args, add_sampling_args, chat_prompt,
-                  check_sampling_args, generation_kwargs, load_from_args, print_stats, run_cli)
+from .cli import (ArgumentParser, UsageError, add_model_args, add_sampling_args, chat_prompt,
+                  check_sampling_args, describe_mode, generation_kwargs, load_from_args,
+                  print_stats, read_stdin, run_cli, text_arg)
 from .errors import EagleError
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eagle_mlx.generate",
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m eagle_mlx.generate",
                                 description="Generate text with EAGLE speculative decoding.")
     add_model_args(p)
     p.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads stdin)")
@@ -28,13 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _main(argv) -> int:
-    from .generation import stream_generate
+    from .generation import acceptance_warning, stream_generate
 
     args = build_parser().parse_args(argv)
     check_sampling_args(args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_stdin("--prompt") if args.prompt == "-" else text_arg(args.prompt, "--prompt")
     if not prompt.strip():
         raise UsageError("--prompt is empty.")
+    if args.system_prompt is not None:
+        text_arg(args.system_prompt, "--system-prompt")
     model, tokenizer = load_from_args(args)
     messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
     messages.append({"role": "user", "content": prompt})
@@ -44,13 +47,7 @@ def _main(argv) -> int:
         raise UsageError(f"--prompt is {len(ids)} tokens long, more than the model's context of "
                          f"{context} tokens.")
     if args.verbose:
-        if model.head is None:
-            mode = "plain decoding"
-        elif not model.speculates:
-            mode = "plain decoding: the benchmark found that speculation does not pay here"
-        else:
-            mode = f"{model.head.kind} head, tree {json.dumps(model.tree_settings())}"
-        print(f"[{mode}]", file=sys.stderr)
+        print(f"[{describe_mode(model, args)}]", file=sys.stderr)
     print("==========")
     last = None
     try:
@@ -63,12 +60,27 @@ def _main(argv) -> int:
         raise UsageError(str(e)) from None
     print()
     print_stats(last)
+    warning = acceptance_warning(model, last, args.temp)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 
 def main(argv=None) -> int:
     return run_cli(_main, argv)
 
+
+class _CallableModule(types.ModuleType):
+    """Importing this module (`from eagle_mlx.generate import main`) rebinds the name
+    `eagle_mlx.generate`, which is also the API function: calling the module calls it."""
+
+    def __call__(self, *args, **kwargs):
+        from .generation import generate
+
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

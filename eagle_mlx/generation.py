@@ -5,14 +5,17 @@
         print(r.text, end="")
 """
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
+import numpy as np
 
 from .errors import EagleError
-from .speculative import SamplingParams, eagle_steps, plain_steps
+from .speculative import PromptCache, SamplingParams, eagle_steps, generation_stream, plain_steps
+from .tree import StaticTree
 
 
 @dataclass
@@ -38,37 +41,113 @@ def _check(ok: bool, message: str) -> None:
         raise EagleError(message)
 
 
-def validate_settings(model, max_tokens, temp, top_p, top_k, total_tokens, depth,
-                      draft_top_k, tree_choices) -> None:
-    _check(isinstance(max_tokens, int) and max_tokens >= 1,
-           f"max_tokens must be a whole number of at least 1 (got {max_tokens}).")
-    _check(temp >= 0, f"temp must be 0 (greedy) or positive (got {temp}).")
-    _check(0 < top_p <= 1, f"top_p must be in (0, 1] (got {top_p}).")
-    _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be 0 (off) or positive (got {top_k}).")
-    if model is None:  # plain decoding: no tree
-        return
-    _check(isinstance(draft_top_k, int) and draft_top_k >= 1,
-           f"draft_top_k must be at least 1 (got {draft_top_k}).")
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return (_is_int(x) or isinstance(x, (float, np.floating))) and math.isfinite(x)
+
+
+# Upper bounds on the tree, each with its reason
+MAX_DRAFT_TOP_K = 64    # each draft level ranks draft_top_k ** 2 candidates
+MAX_DEPTH = 64          # each level is one head forward per cycle
+MAX_TREE_NODES = 1024   # the verify pass attends between every pair of tree nodes
+MAX_SEED = 2**64 - 1    # MLX's random seed is an unsigned 64-bit integer
+
+
+def check_values(max_tokens=256, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
+                 total_tokens=None, depth=None, draft_top_k=None, tree_choices=None,
+                 max_context=None, name=lambda n: n) -> None:
+    """Check sampling and tree values before anything is loaded: EagleError naming the
+    parameter (`name` turns a parameter into the flag a command-line tool calls it)."""
+    def need(ok, param, what, value):
+        _check(ok, f"{name(param)} must be {what} (got {value!r}).")
+
+    need(_is_int(max_tokens) and max_tokens >= 1, "max_tokens", "a whole number of at least 1",
+         max_tokens)
+    need(_is_real(temp) and temp >= 0, "temp", "0 (greedy) or a positive finite number", temp)
+    need(_is_real(top_p) and 0 < top_p <= 1, "top_p", "a number in (0, 1]", top_p)
+    need(_is_real(min_p) and 0 <= min_p <= 1, "min_p", "a number in [0, 1] (0: off)", min_p)
+    need(_is_int(top_k) and top_k >= 0, "top_k", "0 (off) or a positive whole number", top_k)
+    need(seed is None or (_is_int(seed) and 0 <= seed <= MAX_SEED), "seed",
+         "a whole number from 0 to 2**64 - 1", seed)
+    need(max_context is None or (_is_int(max_context) and max_context >= 2), "max_context",
+         "a whole number of at least 2", max_context)
+    need(draft_top_k is None or (_is_int(draft_top_k) and 1 <= draft_top_k <= MAX_DRAFT_TOP_K),
+         "draft_top_k", f"from 1 to {MAX_DRAFT_TOP_K} (each draft level ranks draft_top_k "
+         "squared candidates)", draft_top_k)
+    need(depth is None or (_is_int(depth) and 1 <= depth <= MAX_DEPTH), "depth",
+         f"from 1 to {MAX_DEPTH} (each level costs a head forward every cycle)", depth)
+    need(total_tokens is None or (_is_int(total_tokens) and 2 <= total_tokens <= MAX_TREE_NODES),
+         "total_tokens", f"from 2 to {MAX_TREE_NODES} (the verify pass attends between every "
+         "pair of tree nodes)", total_tokens)
+    if tree_choices is not None:
+        paths_ok = (isinstance(tree_choices, (list, tuple)) and len(tree_choices) > 0 and all(
+            isinstance(c, (list, tuple)) and len(c) > 0 and all(_is_int(r) and r >= 0 for r in c)
+            for c in tree_choices))
+        need(paths_ok, "tree_choices", "a non-empty list of paths of child ranks such as "
+             "[[0], [1], [0, 0]]", tree_choices)
+        need(len(tree_choices) + 1 <= MAX_TREE_NODES, "tree_choices",
+             f"at most {MAX_TREE_NODES - 1} paths", f"{len(tree_choices)} paths")
+        try:
+            StaticTree(tree_choices, draft_top_k or 1 + max(r for c in tree_choices for r in c))
+        except ValueError as e:
+            raise EagleError(f"{name('tree_choices')}: {e}.") from None
+
+
+def check_tree(model, total_tokens, depth, draft_top_k, tree_choices) -> None:
+    """The tree against the head (after loading)."""
     vocab = getattr(model.head.args, "draft_vocab_size", None) or model.head.args.vocab_size
     _check(draft_top_k <= vocab,
            f"draft_top_k {draft_top_k} exceeds the head's draft vocabulary of {vocab}.")
+    if not tree_choices:  # (a tree deeper than the context left ends in plain steps)
+        pool = draft_top_k + depth * draft_top_k ** 2
+        _check(total_tokens <= pool + 1,
+               f"total_tokens must be at most {pool + 1} for depth {depth} and draft_top_k "
+               f"{draft_top_k}, the nodes such a tree can draft (got {total_tokens}).")
+
+
+def tree_plan(model, total_tokens=None, depth=None, draft_top_k=None, tree_choices=None,
+              speculate=None) -> Optional[dict]:
+    """The tree a generation will use (None: plain decoding): explicit settings over the
+    benchmark's tuning over the defaults. speculate as in `stream_generate`."""
+    if speculate is None:
+        explicit = any(x is not None for x in (total_tokens, depth, draft_top_k, tree_choices))
+        speculate = model.head is not None and (explicit or model.speculates)
+    _check(not speculate or model.head is not None, "speculative decoding needs an EAGLE head.")
+    if not speculate:
+        return None
+    tree = model.tree_settings()
+    if draft_top_k is None and tree_choices:  # a static tree's ranks set its top-k
+        draft_top_k = max(tree["draft_top_k"], 1 + max(r for c in tree_choices for r in c))
+    for key, value in (("total_tokens", total_tokens), ("depth", depth),
+                       ("draft_top_k", draft_top_k)):
+        if value is not None:
+            tree[key] = value
     if tree_choices:
-        return
-    _check(isinstance(depth, int) and depth >= 1, f"depth must be at least 1 (got {depth}).")
-    pool = draft_top_k + depth * draft_top_k ** 2
-    _check(isinstance(total_tokens, int) and 2 <= total_tokens <= pool + 1,
-           f"total_tokens must be between 2 and {pool + 1} for depth {depth} and "
-           f"draft_top_k {draft_top_k} (got {total_tokens}).")
+        tree = {"static": True, "total_tokens": len(tree_choices) + 1, "depth": max(map(len, tree_choices)),
+                "draft_top_k": tree["draft_top_k"]}
+    return tree
 
 
 def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]]) -> List[int]:
+    """Token ids of a prompt given as text (tokenized as is) or as token ids."""
     if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise EagleError("the prompt is not valid UTF-8 text.") from None
         bos = getattr(tokenizer, "bos_token", None)
         add_special = bos is None or not prompt.startswith(bos)
-        ids = tokenizer.encode(prompt, add_special_tokens=add_special)
-    else:
-        ids = [int(t) for t in prompt]
-    return list(ids)
+        return list(tokenizer.encode(prompt, add_special_tokens=add_special))
+    if isinstance(prompt, mx.array):
+        prompt = prompt.tolist()
+    ok = isinstance(prompt, (list, tuple, np.ndarray)) and all(_is_int(t) for t in prompt)
+    _check(ok, "the prompt must be a string or a list of token ids (whole numbers), "
+               f"not {type(prompt).__name__}" + (" holding other values." if isinstance(
+                   prompt, (list, tuple, np.ndarray)) else "."))
+    return [int(t) for t in prompt]
 
 
 def stream_generate(
@@ -86,46 +165,61 @@ def stream_generate(
     tree_choices: Optional[Sequence[Sequence[int]]] = None,
     max_context: Optional[int] = None,
     speculate: Optional[bool] = None,
+    min_p: float = 0.0,
+    prompt_cache: Optional[PromptCache] = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per target forward pass.
 
     prompt: a str (tokenized as is, no chat template) or a list of token ids.
     With `model.head` None this is plain autoregressive decoding of the target.
+    temp, top_p, min_p, top_k: as mlx-lm's `make_sampler` (filters on the untempered
+    distribution, then the temperature); temp 0 is greedy.
     speculate: None decides from the model (its head and the benchmark's tuning; explicit
     tree settings always speculate); False forces plain decoding, True EAGLE.
     tree_choices: EAGLE-1 static tree (list of paths); None: EAGLE-2 dynamic tree of
     `total_tokens` nodes (incl. the root), `depth` levels, `draft_top_k` children.
+    prompt_cache: a `PromptCache` kept across calls; a prompt extending what it holds
+    (the next turn of a conversation) is prefilled only from where it differs.
     """
-    if speculate is None:
-        explicit = any(x is not None for x in (total_tokens, depth, draft_top_k, tree_choices))
-        speculate = model.head is not None and (explicit or model.speculates)
-    _check(not speculate or model.head is not None, "speculative decoding needs an EAGLE head.")
-    tree = model.tree_settings()
-    total_tokens = tree["total_tokens"] if total_tokens is None else total_tokens
-    depth = tree["depth"] if depth is None else depth
-    draft_top_k = tree["draft_top_k"] if draft_top_k is None else draft_top_k
-    validate_settings(model if speculate else None, max_tokens, temp, top_p, top_k, total_tokens, depth,
-                      draft_top_k, tree_choices)
+    check_values(max_tokens, temp, top_p, top_k, min_p, seed, total_tokens, depth, draft_top_k,
+                 tree_choices, max_context)
+    _check(speculate is None or isinstance(speculate, bool),
+           f"speculate must be None, True or False (got {speculate!r}).")
+    _check(prompt_cache is None or isinstance(prompt_cache, PromptCache),
+           "prompt_cache must be an eagle_mlx.PromptCache.")
+    _check(hasattr(model, "target") and hasattr(model, "head"),
+           "model must be the EagleModel that eagle_mlx.load returns.")
+    tree = tree_plan(model, total_tokens, depth, draft_top_k, tree_choices, speculate)
+    speculate = tree is not None
+    if speculate:
+        total_tokens, depth, draft_top_k = tree["total_tokens"], tree["depth"], tree["draft_top_k"]
+    target = model.target
+    _check(max_context is None or max_context <= target.max_context,
+           f"max_context {max_context} exceeds the model's context of {target.max_context} tokens.")
+    max_context = max_context or target.max_context
+    if speculate:
+        check_tree(model, total_tokens, depth, draft_top_k, tree_choices)
     ids = encode_prompt(tokenizer, prompt)
     _check(len(ids) > 0, "the prompt is empty.")
-    target = model.target
-    max_context = max_context or target.max_context
     _check(len(ids) <= max_context,
            f"the prompt has {len(ids)} tokens but the model's context is {max_context} tokens.")
     _check(max(ids) < target.vocab_size and min(ids) >= 0,
            f"the prompt holds token ids outside the model's vocabulary of {target.vocab_size}.")
     if seed is not None:
         mx.random.seed(seed)
-    sampling = SamplingParams(temp, top_p, top_k)
+    sampling = SamplingParams(temp, top_p, top_k, min_p)
     if not speculate:
-        steps = plain_steps(target, ids, sampling, max_context)
+        steps = plain_steps(target, ids, sampling, max_context, prompt_cache=prompt_cache)
     else:
-        try:
-            steps = eagle_steps(target, model.head, ids, sampling, total_tokens, depth,
-                                draft_top_k, tree_choices, max_context)
-        except ValueError as e:  # a malformed static tree
-            raise EagleError(str(e)) from None
+        steps = eagle_steps(target, model.head, ids, sampling, total_tokens, depth,
+                            draft_top_k, tree_choices, max_context, prompt_cache=prompt_cache)
+    from mlx_lm.generate import wired_limit
 
+    with wired_limit(target.model, [generation_stream]):
+        yield from _responses(tokenizer, ids, steps, max_tokens)
+
+
+def _responses(tokenizer, ids, steps, max_tokens) -> Iterator[GenerationResponse]:
     stop_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     detok = tokenizer.detokenizer
     detok.reset()
@@ -166,8 +260,8 @@ def stream_generate(
             if produced >= max_tokens:
                 finish = "length"
                 break
-        if step.accept_length is not None:
-            accept_lengths.append(step.accept_length)
+        if step.accept_length is not None:  # tau counts only the tokens that were output
+            accept_lengths.append(min(step.accept_length, len(tokens) - 1))
         if finish is not None:
             detok.finalize()
         yield response(tokens, step.accept_length, finish)
@@ -176,6 +270,31 @@ def stream_generate(
     # the context is full
     detok.finalize()
     yield response([], None, "length")
+
+
+MIN_CYCLES_TO_JUDGE = 20  # cycles before the acceptance says anything about the head
+
+
+def acceptance_warning(model, r: GenerationResponse, temp: float = 0.0) -> Optional[str]:
+    """One sentence when a generation accepted far fewer drafted tokens than the head's own
+    record promises (its trainer's held-out top-1 accuracy, or the benchmark's tau on this
+    machine): the sign of a head made for another target."""
+    head = model.head
+    cycles = r.accept_lengths
+    if head is None or len(cycles) < MIN_CYCLES_TO_JUDGE:
+        return None
+    first = sum(a >= 1 for a in cycles) / len(cycles)  # the first drafted token accepted
+    top1 = getattr(head, "held_out_top1", None)
+    if temp == 0 and top1 and first < 0.5 * top1:
+        return (f"the target accepted the head's first drafted token in {first:.0%} of "
+                f"{len(cycles)} cycles, far below the {top1:.0%} the head reached when trained; "
+                f"is {model.head_path} a head for this target?")
+    tuned = (model.tuning or {}).get("tau")
+    if tuned and (model.tuning or {}).get("temp", 0.0) == temp and \
+            r.mean_accept_length - 1 < 0.5 * (tuned - 1):
+        return (f"tau {r.mean_accept_length:.2f} is far below the {tuned:.2f} the benchmark "
+                f"measured for this head; is {model.head_path} a head for this target?")
+    return None
 
 
 def generate(model, tokenizer, prompt, **kwargs) -> str:

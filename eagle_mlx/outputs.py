@@ -1,0 +1,72 @@
+"""Output paths: checked before any work starts, written atomically, nothing left on failure."""
+
+import os
+import shutil
+from pathlib import Path
+
+from .errors import EagleError, reason
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path.absolute().parent
+    while not p.exists():
+        p = p.parent
+    return p
+
+
+def _check_parent(path: Path, flag: str) -> None:
+    base = _existing_ancestor(path)
+    if not base.is_dir():
+        raise EagleError(f"{flag} {path}: {base} is a file, not a folder.")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise EagleError(f"{flag} {path} cannot be created: {base} is not writable.")
+
+
+def check_new_dir(path, flag: str) -> Path:
+    """A folder the tool will create: it must not exist, and its parent must be creatable."""
+    path = Path(path).expanduser()
+    if path.exists():
+        raise EagleError(f"{flag} {path} already exists; choose a new folder.")
+    _check_parent(path, flag)
+    return path
+
+
+def check_out_file(path, flag: str) -> Path:
+    """A file the tool will write (replacing an older one): it must be creatable."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise EagleError(f"{flag} {path} is a folder, not a file.")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise EagleError(f"{flag} {path} is not writable.")
+    _check_parent(path, flag)
+    return path
+
+
+def atomic_dir(out: Path, write) -> None:
+    """Run write(tmp_dir) and rename tmp_dir to `out`; nothing is left on failure."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    except OSError as e:
+        raise EagleError(f"could not write {out} ({reason(e)}).") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def atomic_file(out: Path, write) -> None:
+    """Run write(tmp_path) and rename it to `out`; nothing is left on failure."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}{out.suffix}"
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    except OSError as e:
+        raise EagleError(f"could not write {out} ({reason(e)}).") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()

@@ -1,0 +1,268 @@
+"""Bad input, as a new user makes it: every tool and the Python API answer with one sentence
+and the right exit code (2 for values, 1 for files), never a traceback, and leave nothing
+behind. The tools run in-process (their `main`, what the console scripts call); the cases
+that need a real process (stdin bytes, Ctrl-C) run one."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import eagle_mlx
+from eagle_mlx import EagleError
+from tiny import ROOT, make_eagle_head, make_hf_model
+
+TOOLS = {}
+
+
+def tool(name):
+    if name not in TOOLS:
+        import importlib
+
+        TOOLS[name] = importlib.import_module(f"eagle_mlx.{name}").main
+    return TOOLS[name]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    target = make_hf_model(root / "target", "llama", seed=5, num_hidden_layers=2,
+                           vocab_size=64, scale=4.0, max_position_embeddings=128)
+    head = make_eagle_head(root / "head", target, "eagle1", seed=1)
+    for name, change in (("head_eagle_yes", {"eagle": "yes"}),
+                         ("head_hidden_big", {"hidden_size": "big"})):
+        folder = root / name
+        folder.mkdir()
+        config = json.loads((head / "config.json").read_text())
+        config.update(change)
+        (folder / "config.json").write_text(json.dumps(config))
+        for weights in head.iterdir():
+            if weights.name != "config.json":
+                (folder / weights.name).write_bytes(weights.read_bytes())
+    data = root / "data.json"
+    data.write_text(json.dumps([{"id": str(i), "conversations": [
+        {"from": "human", "value": "t5 t6 t7"}, {"from": "gpt", "value": "t8 t9 t10 t11"}]}
+        for i in range(8)]))
+    (root / "a_file").write_text("in the way\n")
+    (root / "existing").mkdir()
+    (root / "train_out_empty").mkdir()
+    return root, target, head, data
+
+
+def _tree(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+# (tool, argv with {T} target, {H} head, {R} the test folder, {D} data; exit code, fragment)
+GEN = ["--model", "{T}", "--eagle", "{H}", "--prompt", "t5 t6"]
+TRAIN = ["--model", "{T}", "--data", "{D}", "--out", "{R}/train_out", "--quiet"]
+BENCH = ["--model", "{T}", "--eagle", "{H}", "--output", "{R}/bench.json"]
+CASES = [
+    ("generate", GEN + ["--seed", "-1"], 2, "--seed"),
+    ("generate", GEN + ["--seed", str(2**64)], 2, "--seed"),
+    ("generate", GEN + ["--temp", "inf"], 2, "--temp"),
+    ("generate", GEN + ["--temp", "nan"], 2, "--temp"),
+    ("generate", GEN + ["--top-p", "0"], 2, "--top-p"),
+    ("generate", GEN + ["--min-p", "1.5"], 2, "--min-p"),
+    ("generate", GEN + ["--top-k", "-3"], 2, "--top-k"),
+    ("generate", GEN + ["--max-tokens", "0"], 2, "--max-tokens"),
+    ("generate", GEN + ["--depth", "1000"], 2, "--depth"),
+    ("generate", GEN + ["--draft-top-k", "4096"], 2, "--draft-top-k"),
+    ("generate", GEN + ["--total-tokens", "5000"], 2, "--total-tokens"),
+    ("generate", GEN + ["--total-tokens", "60", "--depth", "1", "--draft-top-k", "2"], 2,
+     "total_tokens must be at most 7"),
+    ("generate", GEN + ["--tree-choices", "[[7]]", "--draft-top-k", "4"], 2, "--tree-choices"),
+    ("generate", GEN + ["--tree-choices", "[[0, 1]]"], 2, "not its parent"),
+    ("generate", GEN + ["--tree-choices", "[[0.5]]"], 2, "--tree-choices"),
+    ("generate", GEN + ["--tree-choices", "{}"], 2, "--tree-choices"),
+    ("generate", GEN + ["--tree-choices", "nonsense"], 2, "--tree-choices"),
+    ("generate", GEN + ["--dtype", "float8"], 2, "--dtype"),
+    ("generate", GEN + ["--max-tokens", "many"], 2, "--max-tokens"),
+    ("generate", ["--model", "{T}", "--prompt", "t5 \udcff"], 2, "--prompt is not valid UTF-8"),
+    ("generate", GEN + ["--system-prompt", "\udcfe"], 2, "--system-prompt"),
+    ("generate", ["--model", "{T}", "--prompt", "   "], 2, "--prompt is empty"),
+    ("generate", ["--model", "{R}/missing", "--prompt", "t5"], 1, "does not exist"),
+    ("generate", ["--model", "{T}", "--eagle", "{R}/missing", "--prompt", "t5"], 1, "does not exist"),
+    ("generate", ["--model", "{T}", "--eagle", "{R}/head_eagle_yes", "--prompt", "t5"], 1,
+     '"eagle" must be an object'),
+    ("generate", ["--model", "{T}", "--eagle", "{R}/head_hidden_big", "--prompt", "t5"], 1,
+     '"hidden_size" must be a positive whole number'),
+    ("chat", ["--model", "{T}", "--seed", "-5"], 2, "--seed"),
+    ("chat", ["--model", "{T}", "--temp", "nan"], 2, "--temp"),
+    ("convert", ["--mlx-path", "{R}/out"], 2, "give --eagle"),
+    ("convert", ["--eagle", "{H}", "--mlx-path", "{R}/existing"], 1, "already exists"),
+    ("convert", ["--eagle", "{H}", "--mlx-path", "{R}/a_file/out"], 1, "is a file, not a folder"),
+    ("convert", ["--eagle", "{H}", "--model", "{T}", "--mlx-path", "{R}/conv",
+                 "--model-mlx-path", "{R}/a_file/t"], 1, "--model-mlx-path"),
+    ("convert", ["--model", "{T}", "--mlx-path", "{R}/a_file/t"], 1, "--mlx-path"),
+    ("train", TRAIN + ["--grad-clip", "-1"], 2, "--grad-clip"),
+    ("train", TRAIN + ["--max-len", "1"], 2, "--max-len"),
+    ("train", TRAIN + ["--noise", "nan"], 2, "--noise"),
+    ("train", TRAIN + ["--num-conversations", "0"], 2, "--num-conversations"),
+    ("train", TRAIN + ["--max-time", "-5"], 2, "--max-time"),
+    ("train", TRAIN + ["--lr", "0"], 2, "--lr"),
+    ("train", TRAIN + ["--seed", "-1"], 2, "--seed"),
+    ("train", TRAIN + ["--export", "{R}/existing"], 1, "--export"),
+    ("train", TRAIN + ["--export", "{R}/a_file/x"], 1, "--export"),
+    ("train", ["--model", "{T}", "--data", "{D}", "--out", "{R}/a_file/o"], 1, "--out"),
+    ("train", ["--model", "{T}", "--data", "{D}", "--out", "{R}/a_file"], 1, "is a file"),
+    ("train", ["--model", "{T}", "--data", "{D}", "--out", "{R}/train_out_empty", "--resume"], 1,
+     "no checkpoint"),
+    ("train", TRAIN + ["--resume", "--init-head", "{H}"], 2, "give one of them"),
+    ("benchmark", BENCH + ["--max-tokens", "1"], 2, "--max-tokens"),
+    ("benchmark", BENCH + ["--temps", "nan"], 2, "--temps"),
+    ("benchmark", BENCH + ["--trees", "16/4/4096"], 2, "--trees"),
+    ("benchmark", BENCH + ["--trees", "16/x/4"], 2, "--trees"),
+    ("benchmark", BENCH + ["--seed", "-1"], 2, "--seed"),
+    ("benchmark", BENCH + ["--num-prompts", "0"], 2, "--num-prompts"),
+    ("benchmark", ["--model", "{T}", "--eagle", "{H}", "--output", "{R}/a_file/b.json"], 1,
+     "--output"),
+    ("benchmark", BENCH + ["--plot", "{R}/existing"], 1, "--plot"),
+    ("benchmark", BENCH + ["--max-tokens", "100"], 2, "no room for a prompt"),
+]
+
+
+def _fill(argv, root, target, head, data):
+    return [a.replace("{T}", str(target)).replace("{H}", str(head)).replace("{R}", str(root))
+            .replace("{D}", str(data)) for a in argv]
+
+
+@pytest.mark.parametrize("name,argv,code,fragment", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_tool_refuses_in_one_sentence(world, capsys, name, argv, code, fragment):
+    root, target, head, data = world
+    before = _tree(root)
+    try:
+        rc = tool(name)(_fill(argv, root, target, head, data))
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err.strip()
+    assert rc == code, (rc, err)
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    assert fragment in err, err
+    assert _tree(root) == before  # nothing left behind, nothing half-written
+
+
+def test_benchmark_without_matplotlib_refuses_before_measuring(world, capsys, monkeypatch):
+    root, target, head, data = world
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    before = _tree(root)
+    assert tool("benchmark")(_fill(BENCH, root, target, head, data)) == 1
+    err = capsys.readouterr().err.strip()
+    assert "matplotlib" in err and "\n" not in err
+    assert _tree(root) == before
+
+
+@pytest.fixture(scope="module")
+def api(world):
+    _, target, head, _ = world
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    return model, tok
+
+
+API_CASES = [
+    (dict(prompt=None), "the prompt must be a string or a list of token ids"),
+    (dict(prompt=["t5", "t6"]), "holding other values"),
+    (dict(prompt=[5, 6.5]), "holding other values"),
+    (dict(prompt="t5 \udcff"), "not valid UTF-8"),
+    (dict(temp=None), "temp must be"),
+    (dict(temp="hot"), "temp must be"),
+    (dict(temp=float("inf")), "temp must be"),
+    (dict(top_p=float("nan")), "top_p must be"),
+    (dict(max_tokens=2.5), "max_tokens must be"),
+    (dict(max_context=0), "max_context must be"),
+    (dict(max_context=10**6), "exceeds the model's context"),
+    (dict(seed=-1), "seed must be"),
+    (dict(seed=True and 2**64), "seed must be"),
+    (dict(draft_top_k=4096), "draft_top_k must be from 1 to 64"),
+    (dict(depth=0), "depth must be"),
+    (dict(tree_choices=[[7]], draft_top_k=4), "draft_top_k 4"),
+    (dict(tree_choices="[[0]]"), "tree_choices must be"),
+    (dict(speculate="yes"), "speculate must be"),
+    (dict(prompt_cache={}), "prompt_cache must be"),
+]
+
+
+@pytest.mark.parametrize("kwargs,fragment", API_CASES, ids=[str(i) for i in range(len(API_CASES))])
+def test_api_refuses_in_one_sentence(api, kwargs, fragment):
+    model, tok = api
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt", [5, 6, 7])
+    with pytest.raises(EagleError) as e:
+        list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=kwargs.pop("max_tokens", 4),
+                                       **kwargs))
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_api_load_refuses_non_paths(world):
+    _, target, head, _ = world
+    with pytest.raises(EagleError, match="given as a string"):
+        eagle_mlx.load(None)
+    with pytest.raises(EagleError, match="given as a string"):
+        eagle_mlx.load(str(target), eagle=3)
+    with pytest.raises(EagleError, match="dtype must be one of"):
+        eagle_mlx.load(str(target), dtype="hot")
+
+
+def _run(args, **kw):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, cwd=ROOT,
+                          timeout=300, **kw)
+
+
+def test_undecodable_bytes_on_stdin(world):
+    root, target, head, _ = world
+    proc = _run(["eagle_mlx.generate", "--model", str(target), "--prompt", "-"],
+                input=b"t5 \xff\xfe t6")
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and err.count("\n") == 1 and "not valid UTF-8" in err, err
+    # a chat session survives a bad line and answers the next one
+    proc = _run(["eagle_mlx.chat", "--model", str(target), "--max-tokens", "4"],
+                input=b"t5 \xff\nt6 t7\n")
+    assert proc.returncode == 0, proc.stderr
+    assert b"not valid UTF-8" in proc.stderr and b"Traceback" not in proc.stderr
+    assert proc.stdout.strip()  # the second line got its reply
+
+
+def test_ctrl_c_during_training_leaves_a_checkpoint_that_resumes(world, tmp_path):
+    root, target, head, data = world
+    out = tmp_path / "run"
+    args = ["eagle_mlx.train", "--model", str(target), "--data", str(data), "--out", str(out),
+            "--quiet", "--max-steps", "100000", "--batch-size", "2", "--eval-every", "100000",
+            "--save-every", "100000", "--eval-conversations", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    log = out / "train_log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.is_file() and log.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    err = err.decode()
+    assert proc.returncode == 130, err
+    assert "interrupted: checkpoint of step" in err and "Traceback" not in err, err
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["step"] >= 2
+    rows = [json.loads(r) for r in log.read_text().splitlines()]
+    assert rows[-1]["step"] == state["step"]
+    done = _run([*args[:-10], "--quiet", "--max-steps", str(state["step"] + 2), "--batch-size",
+                 "2", "--eval-every", "100000", "--save-every", "100000",
+                 "--eval-conversations", "1", "--resume"])
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "trainer_state.json").read_text())["step"] == state["step"] + 2
+
+
+def test_a_failed_fresh_training_leaves_no_folder(world, tmp_path, capsys):
+    root, target, head, _ = world
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"id": "0", "conversations": [
+        {"from": "human", "value": " ".join(["t5"] * 40)}, {"from": "gpt", "value": "t6"}]}] * 4))
+    out = tmp_path / "fresh"
+    rc = tool("train")(["--model", str(target), "--data", str(bad), "--out", str(out),
+                        "--max-len", "16", "--quiet", "--batch-size", "2",
+                        "--eval-conversations", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and "raise --max-len" in err, err
+    assert not out.exists()
