@@ -67,7 +67,7 @@ def _quantize_predicate(group_size: int, weights: Optional[dict] = None):
 # head config keys and what their values must be
 _POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
 _OPTIONAL_POSITIVE_INTS = ("num_key_value_heads", "max_position_embeddings", "draft_vocab_size",
-                           "target_hidden_size")
+                           "target_hidden_size", "head_dim")
 _OPTIONAL_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
 
 
@@ -91,8 +91,9 @@ def check_head_config(config: dict, path: Path) -> None:
         v = config.get(key)
         if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
             bad(key, "a positive number")
-    if "bias" in config and not isinstance(config["bias"], bool):
-        bad("bias", "true or false")
+    for key in ("bias", "qkv_bias"):
+        if key in config and not isinstance(config[key], bool):
+            bad(key, "true or false")
     if config.get("rope_scaling") is not None and not isinstance(config["rope_scaling"], dict):
         bad("rope_scaling", "an object or null")
     if config.get("eagle") is not None:
@@ -103,7 +104,7 @@ def check_head_config(config: dict, path: Path) -> None:
             raise EagleError(f"{where}: \"eagle.kind\" must be one of {', '.join(HEAD_CLASSES)} "
                              f"(got {eagle.get('kind')!r}).")
     if all(k in config for k in ("hidden_size", "num_attention_heads")) \
-            and config["hidden_size"] % config["num_attention_heads"]:
+            and config.get("head_dim") is None and config["hidden_size"] % config["num_attention_heads"]:
         raise EagleError(f"{where}: hidden_size {config['hidden_size']} is not a multiple of "
                          f"num_attention_heads {config['num_attention_heads']}.")
 
@@ -114,7 +115,6 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
     eagle = config.get("eagle") or {}
     kind = eagle.get("kind") or detect_kind(weights, path)
     weights = dict(weights)
-    embed = weights.pop("embed_tokens.weight", None)
     weights.pop("t2d", None)  # target->draft membership: only training uses it
     if kind == "eagle1" and "bias" not in config:
         config = dict(config, bias="fc.bias" in weights)
@@ -122,6 +122,13 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
         args = HeadArgs.from_config(config, kind, has_d2t="d2t" in weights)
     except KeyError as e:
         raise EagleError(f"{path / 'config.json'} lacks the key {e} that a head config needs.") from None
+    # the head drafts with the target's embedding, unless it is narrower than its target
+    own_embedding = kind == "eagle3" and args.target_hidden_size is not None
+    embed = None if own_embedding else weights.pop("embed_tokens.weight", None)
+    if own_embedding and "embed_tokens.weight" not in weights:
+        raise EagleError(f"EAGLE-3 head {path} is narrower than its target (target_hidden_size "
+                         f"{args.target_hidden_size}, hidden_size {args.hidden_size}), so it needs "
+                         "its own embed_tokens.weight, which its checkpoint lacks.")
     head = HEAD_CLASSES[kind](args)
     quant = config.get("quantization")
     if quant:
@@ -148,6 +155,7 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
     head.load_weights(list(weights.items()))
     head.eval()
     head.source_path = path
+    head.config_model_type = config.get("model_type")
     top1 = eagle.get("held_out_top1")
     head.held_out_top1 = float(top1) if isinstance(top1, (int, float)) and 0 < top1 <= 1 else None
     if embed is not None and tuple(embed.shape) != (args.vocab_size, args.hidden_size):
@@ -164,15 +172,25 @@ def check_pair(head, target, head_path, embed_shape=None) -> None:
     """Fail loudly, naming both sides, where a head does not fit a target."""
     a = head.args
     tname = target.path or "the target"
-    if a.hidden_size != target.hidden_size:
+    if a.target_width != target.hidden_size:
+        which = "drafts for a target of hidden size" if a.target_hidden_size else "has hidden size"
         raise EagleError(
-            f"head {head_path} has hidden size {a.hidden_size}, but target {tname} has "
-            f"hidden size {target.hidden_size}."
+            f"head {head_path} ({a.kind}) {which} {a.target_width}, but target {tname} "
+            f"({target.model_type}) has hidden size {target.hidden_size}."
         )
     if a.vocab_size != target.vocab_size:
         raise EagleError(
-            f"head {head_path} has vocab size {a.vocab_size}, but target {tname} has "
-            f"vocab size {target.vocab_size}."
+            f"head {head_path} ({a.kind}) has vocab size {a.vocab_size}, but target {tname} "
+            f"({target.model_type}) has vocab size {target.vocab_size}."
+        )
+    made_for = getattr(head, "config_model_type", None)
+    if isinstance(made_for, str) and made_for.startswith("qwen") \
+            and not str(target.model_type).startswith("qwen"):
+        # a head whose config is a Qwen config was made for a Qwen target (EAGLE-1 heads
+        # carry their target's config; Llama-family heads say "llama" whatever the target)
+        raise EagleError(
+            f"head {head_path} ({a.kind}) was made for a {made_for} target (its config's "
+            f"model_type), but target {tname} is {target.model_type}."
         )
     if embed_shape is not None and embed_shape != (target.vocab_size, target.hidden_size):
         raise EagleError(
@@ -206,7 +224,7 @@ def head_config(head, source_config: dict) -> dict:
     config["eagle"] = {
         "kind": head.kind,
         "format_version": FORMAT_VERSION,
-        "target_hidden_size": a.hidden_size,
+        "target_hidden_size": a.target_width,
         "target_vocab_size": a.vocab_size,
         "feature_size": head.feature_size,
         "target_min_layers": EAGLE3_MIN_TARGET_LAYERS if head.kind == "eagle3" else 1,

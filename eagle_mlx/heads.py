@@ -37,6 +37,9 @@ class HeadArgs:
     bias: bool = True  # EAGLE-1 fc bias
     draft_vocab_size: Optional[int] = None  # EAGLE-3
     has_d2t: bool = False
+    qkv_bias: bool = False  # biased q/k/v (the Qwen2 heads)
+    target_hidden_size: Optional[int] = None  # EAGLE-3 heads narrower than their target
+    explicit_head_dim: Optional[int] = None
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -56,11 +59,19 @@ class HeadArgs:
             bias=config.get("bias", True),
             draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
             has_d2t=has_d2t,
+            qkv_bias=bool(config.get("qkv_bias", False)),
+            target_hidden_size=config.get("target_hidden_size") if kind == "eagle3" else None,
+            explicit_head_dim=config.get("head_dim"),
         )
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def target_width(self) -> int:
+        """The hidden size of the target this head drafts for."""
+        return self.target_hidden_size or self.hidden_size
 
 
 class HeadAttention(nn.Module):
@@ -68,9 +79,9 @@ class HeadAttention(nn.Module):
         super().__init__()
         H, D = args.hidden_size, args.head_dim
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.q_proj = nn.Linear(in_dims, self.n_heads * D, bias=False)
-        self.k_proj = nn.Linear(in_dims, self.n_kv_heads * D, bias=False)
-        self.v_proj = nn.Linear(in_dims, self.n_kv_heads * D, bias=False)
+        self.q_proj = nn.Linear(in_dims, self.n_heads * D, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(in_dims, self.n_kv_heads * D, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(in_dims, self.n_kv_heads * D, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
         self.scale = D**-0.5
         scaling = args.rope_scaling
@@ -164,19 +175,24 @@ class Eagle3Head(nn.Module):
         super().__init__()
         self.args = args
         H = args.hidden_size
-        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.fc = nn.Linear(3 * args.target_width, H, bias=False)
+        if args.target_hidden_size is not None:
+            # its own embedding (the target's is of another width), as the official head has
+            self.embed_tokens = nn.Embedding(args.vocab_size, H)
         self.midlayer = Eagle3MidLayer(args)
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.lm_head = nn.Linear(H, args.draft_vocab_size, bias=False)
         if args.has_d2t:
             self.d2t = mx.zeros((args.draft_vocab_size,), dtype=mx.int64)
 
-    feature_size = property(lambda self: 3 * self.args.hidden_size)
+    feature_size = property(lambda self: 3 * self.args.target_width)
 
     def __call__(self, features, tokens, embed, cache=None, positions=None, mask=None):
-        """features: three target taps [B, T, 3H] (through fc) or the head's own
-        output [B, T, H] (deeper draft steps, no fc) -> out_hidden [B, T, H]."""
+        """features: three target taps [B, T, 3 x target width] (through fc) or the head's
+        own output [B, T, H] (deeper draft steps, no fc) -> out_hidden [B, T, H]."""
         h = self.fc(features) if features.shape[-1] != self.args.hidden_size else features
+        if "embed_tokens" in self:
+            embed = self.embed_tokens
         e = embed(tokens).astype(h.dtype)
         return self.midlayer(e, h, cache, positions, mask)
 

@@ -56,12 +56,15 @@ def attention(
 ) -> mx.array:
     """Rotary attention for already projected q/k/v [B, T, heads*D] -> [B, T, heads*D].
 
-    `attn` provides `rope` and `scale`. `mask` is None/"causal" or a boolean array
+    `attn` provides `rope` and `scale` (and `q_norm`/`k_norm` where the model has them). `mask` is None/"causal" or a boolean array
     [T, cache length + T] (True = may attend) broadcast over batch and heads.
     """
     B, T, _ = queries.shape
-    q = queries.reshape(B, T, n_heads, -1).transpose(0, 2, 1, 3)
-    k = keys.reshape(B, T, n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q = queries.reshape(B, T, n_heads, -1)
+    k = keys.reshape(B, T, n_kv_heads, -1)
+    if "q_norm" in attn:  # Qwen3: per-head RMSNorm of queries and keys before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
     v = values.reshape(B, T, n_kv_heads, -1).transpose(0, 2, 1, 3)
     offset = cache.offset if cache is not None else 0
     q = apply_rope(attn.rope, q, offset, positions)

@@ -1,4 +1,5 @@
-"""Tree-capable targets: mlx-lm's Llama and Mixtral models, verified a whole tree at a time.
+"""Tree-capable targets: mlx-lm's Llama, Mistral, Mixtral, Qwen2, Qwen3 and Qwen3-MoE models,
+verified a whole tree at a time.
 
 mlx-lm builds and loads the model (HF folders, sharded and mlx-community checkpoints,
 quantized weights, the tokenizer with its chat template). `Target` runs the same
@@ -21,7 +22,9 @@ from .gguf import find_gguf, load_gguf
 from .hub import resolve
 from .layers import attention
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral")
+# mlx-lm decoders of the standard shape (norm -> attention with q/k/v/o and RoPE, optional
+# q/k norms -> norm -> MLP or sparse MoE), each tested against transformers
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 
 
 class Target:
@@ -134,6 +137,16 @@ def _check_weight_files(path: Path) -> None:
                 )
 
 
+def _config_overrides(config: dict) -> dict:
+    """Config keys that transformers >= 5 writes under new names, translated back to the
+    names mlx-lm reads (the Hub's own configs use the classic names)."""
+    overrides = _rope_overrides(config)
+    if config.get("model_type") == "qwen3_moe" and "num_experts" not in config \
+            and "num_local_experts" in config:
+        overrides["num_experts"] = config["num_local_experts"]
+    return overrides
+
+
 def _rope_overrides(config: dict) -> dict:
     """transformers >= 5 saves RoPE settings as `rope_parameters`; mlx-lm reads the
     classic `rope_theta` / `rope_scaling` keys, so translate the new form."""
@@ -190,7 +203,7 @@ def convert_dtype(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
 
 
 def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = None):
-    """Load a Llama/Mixtral target and its tokenizer from a folder, a Hub repo id or a
+    """Load a target (see SUPPORTED_MODEL_TYPES) and its tokenizer from a folder, a Hub repo id or a
     GGUF file (or a folder holding one).
 
     dtype: "auto" (None), "stored", "float32", "float16" or "bfloat16"; see
@@ -227,9 +240,15 @@ def _load_mlx_lm(path: Path, lazy: bool):
             f"model type '{model_type}' in {path / 'config.json'} is not supported; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
         )
+    if config.get("use_sliding_window"):
+        raise EagleError(
+            f"{path / 'config.json'} asks for sliding-window attention (use_sliding_window), "
+            "which the tree forward does not implement; set it to false to attend to the whole "
+            "context."
+        )
     _check_weight_files(path)
     try:
-        model, config = load_model(path, lazy=lazy, model_config=_rope_overrides(config))
+        model, config = load_model(path, lazy=lazy, model_config=_config_overrides(config))
     except Exception as e:  # mlx-lm raises ValueError/KeyError/RuntimeError on bad weights
         raise EagleError(f"could not load the weights in {path}: {reason(e)}") from None
     try:

@@ -27,6 +27,11 @@ TINY_TARGETS = {
     "mixtral": ("mixtral", dict(
         num_hidden_layers=2, num_key_value_heads=2, rope_theta=1e6,
         intermediate_size=96)),
+    "qwen2": ("qwen2", dict(num_hidden_layers=3, num_key_value_heads=2, rope_theta=1e6)),
+    "qwen3": ("qwen3", dict(num_hidden_layers=3, num_key_value_heads=2, rope_theta=1e6,
+                            tie_word_embeddings=True)),
+    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, num_key_value_heads=2,
+                                    rope_theta=1e6, mlp_only_layers=[1])),
 }
 
 

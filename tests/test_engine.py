@@ -111,6 +111,19 @@ def random_pairs(tmp_path_factory):
                                                     draft_vocab_size=40))
     pairs["mixtral-eagle1"] = (mixtral, make_eagle_head(root / "hm", mixtral, "eagle1", seed=3))
     pairs["llama4bit-eagle1"] = (q4, pairs["llama-eagle1"][1])
+    qwen2 = make_hf_model(root / "qwen2", "qwen2", seed=7, num_hidden_layers=3,
+                          num_key_value_heads=2, vocab_size=64, scale=4.0)
+    qwen3 = make_hf_model(root / "qwen3", "qwen3", seed=8, num_hidden_layers=8,
+                          num_key_value_heads=2, vocab_size=64, scale=4.0, tie_word_embeddings=True)
+    qwen3_moe = make_hf_model(root / "qwen3_moe", "qwen3_moe", seed=9, num_hidden_layers=8,
+                              num_key_value_heads=2, vocab_size=64, scale=4.0)
+    pairs["qwen2-eagle1-qkv-bias"] = (qwen2, make_eagle_head(root / "hq2", qwen2, "eagle1", seed=4,
+                                                             qkv_bias=True))
+    pairs["qwen3-eagle3-narrow"] = (qwen3, make_eagle_head(root / "hq3", qwen3, "eagle3", seed=5,
+                                                           draft_vocab_size=40, hidden_size=48))
+    pairs["qwen3moe-eagle3-narrow"] = (qwen3_moe, make_eagle_head(root / "hqm", qwen3_moe, "eagle3",
+                                                                  seed=6, draft_vocab_size=40,
+                                                                  hidden_size=48))
     return pairs
 
 
@@ -126,7 +139,9 @@ TREES = [dict(total_tokens=8, depth=2, draft_top_k=2), dict(total_tokens=40, dep
          dict(tree_choices=MC_SIM_7B_63, draft_top_k=4)]
 
 
-@pytest.mark.parametrize("pair", ["llama-eagle1", "llama-eagle3", "mixtral-eagle1", "llama4bit-eagle1"])
+@pytest.mark.parametrize("pair", ["llama-eagle1", "llama-eagle3", "mixtral-eagle1", "llama4bit-eagle1",
+                                  "qwen2-eagle1-qkv-bias", "qwen3-eagle3-narrow",
+                                  "qwen3moe-eagle3-narrow"])
 def test_greedy_output_equals_plain_decoding(random_pairs, pair):
     target_dir, head_dir = random_pairs[pair]
     model, tok = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
@@ -162,11 +177,12 @@ def _wrong_residual(tree, logprobs):
     return best, mx.random.categorical(logprobs[best])
 
 
-@pytest.fixture(scope="module")
-def small_vocab_pair(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def small_vocab_pair(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("small")
-    target = make_hf_model(root / "t", "llama", seed=3, vocab_size=8, hidden_size=32,
-                           intermediate_size=64, num_hidden_layers=2, scale=1.0)
+    target = make_hf_model(root / "t", request.param, seed=3, vocab_size=8, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=2, scale=1.0,
+                           **({"head_dim": 16} if request.param == "qwen3" else {}))
     head = make_eagle_head(root / "h", target, "eagle1", seed=4)
     return target, head
 

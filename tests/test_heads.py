@@ -74,7 +74,7 @@ def head_config(kind, **extra):
     return cfg
 
 
-def eagle1_state(bias=True, embed=True):
+def eagle1_state(bias=True, embed=True, qkv_bias=False):
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
     sd = {"fc.weight": r(H, 2 * H)}
@@ -88,21 +88,29 @@ def eagle1_state(bias=True, embed=True):
                p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H),
                p + "mlp.down_proj.weight": r(H, I),
                p + "post_attention_layernorm.weight": 1 + r(H)})
+    if qkv_bias:  # the Qwen2 heads (config "qkv_bias": true)
+        sd.update({p + "self_attn.q_proj.bias": r(H), p + "self_attn.k_proj.bias": r(NKV * 8),
+                   p + "self_attn.v_proj.bias": r(NKV * 8)})
     return sd
 
 
-def eagle3_state(d2t=True):
+TW = 48  # the target width of an EAGLE-3 head narrower than its target
+
+
+def eagle3_state(d2t=True, target_width=H):
     g = torch.Generator().manual_seed(1)
     r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
     p = "midlayer."
     vd = VD if d2t else V
-    sd = {"fc.weight": r(H, 3 * H), "norm.weight": 1 + r(H), "lm_head.weight": r(vd, H),
+    sd = {"fc.weight": r(H, 3 * target_width), "norm.weight": 1 + r(H), "lm_head.weight": r(vd, H),
           p + "hidden_norm.weight": 1 + r(H), p + "input_layernorm.weight": 1 + r(H),
           p + "post_attention_layernorm.weight": 1 + r(H),
           p + "self_attn.q_proj.weight": r(H, 2 * H), p + "self_attn.k_proj.weight": r(NKV * 8, 2 * H),
           p + "self_attn.v_proj.weight": r(NKV * 8, 2 * H), p + "self_attn.o_proj.weight": r(H, H),
           p + "mlp.gate_proj.weight": r(I, H), p + "mlp.up_proj.weight": r(I, H),
           p + "mlp.down_proj.weight": r(H, I)}
+    if target_width != H:  # its own embedding, of its own width
+        sd["embed_tokens.weight"] = r(V, H)
     if d2t:
         chosen = torch.sort(torch.randperm(V, generator=g)[:VD]).values
         sd["d2t"] = (chosen - torch.arange(VD)).long()
@@ -142,9 +150,11 @@ def _rope(x, pos, theta):
 def _attention(x, w, prefix, theta):
     n = x.shape[0]
     D = H // NH
-    q = (x @ w[prefix + "q_proj.weight"].T).reshape(n, NH, D).transpose(1, 0, 2)
-    k = (x @ w[prefix + "k_proj.weight"].T).reshape(n, NKV, D).transpose(1, 0, 2)
-    v = (x @ w[prefix + "v_proj.weight"].T).reshape(n, NKV, D).transpose(1, 0, 2)
+    def proj(name, heads):
+        y = x @ w[prefix + name + ".weight"].T + w.get(prefix + name + ".bias", 0)
+        return y.reshape(n, heads, D).transpose(1, 0, 2)
+
+    q, k, v = proj("q_proj", NH), proj("k_proj", NKV), proj("v_proj", NKV)
     pos = np.arange(n, dtype=np.float64)
     q, k = _rope(q, pos, theta), _rope(k, pos, theta)
     k, v = np.repeat(k, NH // NKV, 0), np.repeat(v, NH // NKV, 0)
@@ -186,6 +196,11 @@ LAYOUTS = {
     "eagle3_d2t": ("eagle3", lambda: eagle3_state(d2t=True), {"draft_vocab_size": VD}, "bin", torch.float16),
     "eagle3_full_vocab": ("eagle3", lambda: eagle3_state(d2t=False), {"draft_vocab_size": V}, "bin", torch.float16),
     "eagle1_safetensors": ("eagle1", lambda: eagle1_state(bias=True), {"bias": True}, "safetensors", torch.float32),
+    "eagle1_qkv_bias_qwen2": ("eagle1", lambda: eagle1_state(bias=True, qkv_bias=True),
+                              {"bias": True, "qkv_bias": True, "rope_theta": 1e6}, "bin", torch.float32),
+    "eagle3_narrow_qwen3": ("eagle3", lambda: eagle3_state(d2t=True, target_width=TW),
+                            {"draft_vocab_size": VD, "target_hidden_size": TW}, "safetensors",
+                            torch.float32),
 }
 
 
@@ -195,9 +210,10 @@ class FakeTarget:
     def __init__(self, embed, layers=8):
         import mlx.nn as nn
 
-        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens = nn.Embedding(*embed.shape)
         self.embed_tokens.weight = mx.array(embed.astype(np.float32))
-        self.hidden_size, self.vocab_size, self.num_layers, self.path = H, V, layers, "target"
+        self.hidden_size, self.vocab_size, self.num_layers, self.path = embed.shape[1], V, layers, "target"
+        self.model_type = "llama"
 
     def lm_head(self, h):
         return self.embed_tokens.as_linear(h)
@@ -213,16 +229,19 @@ def test_published_layouts_convert_and_match_numpy(tmp_path, layout):
     rng = np.random.default_rng(0)
     embed = w.get("embed_tokens.weight", rng.normal(size=(V, H)))
     theta = extra.get("rope_theta", 10000.0)
+    width = extra.get("target_hidden_size", H)  # the target's hidden size
+    target_embed = embed if width == H else rng.normal(size=(V, width))
 
     # default conversion keeps the saved dtype; float32 conversion is checked numerically
     assert convert_main(["--eagle", str(src), "--mlx-path", str(tmp_path / "kept")]) == 0
     saved = mx.load(str(tmp_path / "kept" / "model.safetensors"))
     want = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}[dtype]
     assert saved["fc.weight"].dtype == want
-    assert "embed_tokens.weight" not in saved and "t2d" not in saved
+    # the target's embedding is not kept (a narrower EAGLE-3 head's own one is)
+    assert ("embed_tokens.weight" in saved) == (width != H) and "t2d" not in saved
     assert convert_main(["--eagle", str(src), "--mlx-path", str(tmp_path / "f32"),
                          "--dtype", "float32"]) == 0
-    target = FakeTarget(embed)
+    target = FakeTarget(target_embed)
     head = load_head(str(tmp_path / "f32"), target)
     assert head.kind == kind
     cfg = json.loads((tmp_path / "f32" / "config.json").read_text())
@@ -236,7 +255,7 @@ def test_published_layouts_convert_and_match_numpy(tmp_path, layout):
         ref = eagle1_reference(w, embed, feats, ids, theta)
         np.testing.assert_allclose(np.array(out[0]), ref, atol=1e-4, rtol=0)
     else:
-        feats = rng.normal(size=(n, 3 * H))
+        feats = rng.normal(size=(n, 3 * width))
         out = head(mx.array(feats[None], dtype=mx.float32), mx.array(ids[None]), target.embed_tokens)
         ref_out, ref_logits = eagle3_reference(w, embed, feats, ids, theta)
         np.testing.assert_allclose(np.array(out[0]), ref_out, atol=1e-4, rtol=0)
@@ -370,3 +389,32 @@ def test_convert_with_model_validates_and_converts_the_target(tmp_path, tiny_dir
     target, _ = load_target(str(converted))
     head = load_head(str(out), target)
     assert head.kind == "eagle1"
+
+
+def test_qwen_heads_and_llama_targets_do_not_mix(tmp_path, tiny_dir):
+    """A Qwen2 EAGLE-1 head (qkv_bias, a Qwen config) on a Llama target and a Llama head on a
+    Qwen target are refused, naming both sides."""
+    llama, _ = load_target(str(tiny_dir("llama2_mha")))   # hidden 64, vocab 256
+    qwen, _ = load_target(str(tiny_dir("qwen2")))         # hidden 64, vocab 256
+    cfg = head_config("eagle1", hidden_size=64, vocab_size=256, num_key_value_heads=4,
+                      model_type="qwen2", architectures=["Qwen2ForCausalLM"], qkv_bias=True)
+    g = torch.Generator().manual_seed(3)
+    sd = {"fc.weight": torch.randn(64, 128, generator=g) * 0.1, "fc.bias": torch.zeros(64),
+          **{f"layers.0.self_attn.{n}_proj.weight": torch.randn(64, 64, generator=g) * 0.1
+             for n in "qkvo"},
+          **{f"layers.0.self_attn.{n}_proj.bias": torch.zeros(64) for n in "qkv"},
+          "layers.0.mlp.gate_proj.weight": torch.randn(I, 64, generator=g) * 0.1,
+          "layers.0.mlp.up_proj.weight": torch.randn(I, 64, generator=g) * 0.1,
+          "layers.0.mlp.down_proj.weight": torch.randn(64, I, generator=g) * 0.1,
+          "layers.0.post_attention_layernorm.weight": torch.ones(64)}
+    src = write_head(tmp_path / "qwen_head", sd, cfg)
+    assert load_head(str(src), qwen).args.qkv_bias  # fits its own target
+    with pytest.raises(EagleError, match=r"made for a qwen2 target .* but target .* is llama"):
+        load_head(str(src), llama)
+    # a Llama head on a Qwen target whose vocabulary differs (as real Qwen and Llama ones do)
+    llama_head = write_head(tmp_path / "llama_head", eagle1_state(), head_config("eagle1"))
+    small_qwen = FakeTarget(np.zeros((V + 14, H)))
+    small_qwen.vocab_size, small_qwen.model_type = V + 14, "qwen2"
+    with pytest.raises(EagleError, match=r"\(eagle1\) has vocab size 50, but target .* \(qwen2\) "
+                                         r"has vocab size 64"):
+        load_head(str(llama_head), small_qwen)

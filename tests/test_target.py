@@ -13,7 +13,8 @@ import pytest
 from eagle_mlx import EagleError, load_target
 from tiny import ORACLE, ROOT, oracle_reference, requires_oracle
 
-FAMILIES = ["llama2_mha", "llama3_gqa", "llama_bias_linear", "llama_dynamic", "mixtral"]
+FAMILIES = ["llama2_mha", "llama3_gqa", "llama_bias_linear", "llama_dynamic", "mixtral", "qwen2",
+            "qwen3", "qwen3_moe"]
 
 
 def hf_forward(folder, ids):
@@ -96,7 +97,8 @@ def tree_forward(target, cache, tokens, anc):
     return target.lm_head(h)[0]
 
 
-@pytest.mark.parametrize("name", ["llama3_gqa", "mixtral", "llama_bias_linear"])
+@pytest.mark.parametrize("name", ["llama3_gqa", "mixtral", "llama_bias_linear", "qwen2", "qwen3",
+                                  "qwen3_moe"])
 def test_tree_forward_equals_path_by_path_forward(tiny_dir, name):
     target, _ = load_target(str(tiny_dir(name)))
     rng = np.random.default_rng(1)
@@ -114,7 +116,7 @@ def test_tree_forward_equals_path_by_path_forward(tiny_dir, name):
             np.testing.assert_allclose(logits[i], ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama3_gqa", "mixtral"])
+@pytest.mark.parametrize("name", ["llama3_gqa", "mixtral", "qwen2", "qwen3", "qwen3_moe"])
 def test_cache_keeps_only_accepted_rows(tiny_dir, name):
     target, _ = load_target(str(tiny_dir(name)))
     rng = np.random.default_rng(2)

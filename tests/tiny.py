@@ -67,6 +67,24 @@ def make_hf_model(folder: Path, kind: str = "llama", seed: int = 0, scale: float
         common.setdefault("num_local_experts", 4)
         common.setdefault("num_experts_per_tok", 2)
         model = MixtralForCausalLM(MixtralConfig(**common))
+    elif kind == "qwen2":  # biased q/k/v
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif kind == "qwen3":  # per-head q/k norms, explicit head_dim
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        common.setdefault("head_dim", 32)
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif kind == "qwen3_moe":  # q/k norms, sparse MoE blocks with top-k routing
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        common.setdefault("head_dim", 32)
+        common.setdefault("num_experts", 4)
+        common.setdefault("num_experts_per_tok", 2)
+        common.setdefault("moe_intermediate_size", 48)
+        common.setdefault("norm_topk_prob", True)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common))
     else:
         raise ValueError(kind)
     with torch.no_grad():
@@ -81,12 +99,17 @@ def make_hf_model(folder: Path, kind: str = "llama", seed: int = 0, scale: float
 
 
 def make_eagle_head(folder: Path, target_folder: Path, kind: str = "eagle1", seed: int = 0,
-                    draft_vocab_size: int = 0, std: float = 0.3) -> Path:
-    """A random EAGLE head (published PyTorch layout) sized for the target in `target_folder`."""
+                    draft_vocab_size: int = 0, std: float = 0.3, qkv_bias: bool = False,
+                    hidden_size: int = 0) -> Path:
+    """A random EAGLE head (published PyTorch layout) sized for the target in `target_folder`.
+
+    qkv_bias: biased q/k/v (the Qwen2 EAGLE-1 heads); hidden_size: an EAGLE-3 head narrower
+    or wider than its target (config `target_hidden_size`, its own embedding)."""
     import torch
 
     tcfg = json.loads((target_folder / "config.json").read_text())
-    H, V = tcfg["hidden_size"], tcfg["vocab_size"]
+    TH, V = tcfg["hidden_size"], tcfg["vocab_size"]
+    H = hidden_size or TH
     nh, nkv, inter = 4, 2, 2 * H
     D = H // nh
     g = torch.Generator().manual_seed(seed)
@@ -106,7 +129,7 @@ def make_eagle_head(folder: Path, target_folder: Path, kind: str = "eagle1", see
         vd = draft_vocab_size or V
         cfg["draft_vocab_size"] = vd
         p = "midlayer."
-        sd = {"fc.weight": r(H, 3 * H), "norm.weight": 1 + r(H), "lm_head.weight": r(vd, H) * 10,
+        sd = {"fc.weight": r(H, 3 * TH), "norm.weight": 1 + r(H), "lm_head.weight": r(vd, H) * 10,
               p + "hidden_norm.weight": 1 + r(H), p + "input_layernorm.weight": 1 + r(H),
               p + "post_attention_layernorm.weight": 1 + r(H),
               p + "self_attn.q_proj.weight": r(H, 2 * H), p + "self_attn.k_proj.weight": r(nkv * D, 2 * H),
@@ -118,8 +141,15 @@ def make_eagle_head(folder: Path, target_folder: Path, kind: str = "eagle1", see
             t2d[chosen] = True
             sd["t2d"] = t2d
         in_dims = H
+        if H != TH:
+            cfg["target_hidden_size"] = TH
+            sd["embed_tokens.weight"] = torch.randn(V, H, generator=g)
     sd.update({p + "mlp.gate_proj.weight": r(inter, in_dims), p + "mlp.up_proj.weight": r(inter, in_dims),
                p + "mlp.down_proj.weight": r(H, inter)})
+    if qkv_bias:
+        cfg["qkv_bias"] = True
+        sd.update({p + "self_attn.q_proj.bias": r(nh * D), p + "self_attn.k_proj.bias": r(nkv * D),
+                   p + "self_attn.v_proj.bias": r(nkv * D)})
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(sd, folder / "pytorch_model.bin")
     (folder / "config.json").write_text(json.dumps(cfg))
