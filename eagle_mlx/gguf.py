@@ -6,7 +6,8 @@ Q4_0, Q4_1 and Q8_0 repacked exactly as MLX affine quantized triples (weight, sc
 biases; group size 32), each tensor with its own bits; F32, F16 and BF16 as they are;
 the K-quants of llama.cpp's usual Q4_K_M / Q5_K_M mixes dequantized to float16.
 llama.cpp's tensor names are mapped to mlx-lm's, the Q/K row permutation its converter
-applies is undone (a row permutation, exact on quantized triples), the model config
+applies to llama files is undone (a row permutation, exact on quantized triples); qwen2
+and qwen3 files need none (q/k/v biases and q/k norms map by name). The model config
 comes from the metadata, and the tokenizer is rebuilt from the vocabulary in the
 metadata and wrapped as mlx-lm's, so an mlx-lm model and tokenizer come out.
 """
@@ -41,7 +42,9 @@ FLOAT = ("F32", "F16", "BF16")
 # K-quants (llama.cpp's usual Q4_K_M / Q5_K_M mixes) come back dequantized to float16
 DEQUANTIZED = ("Q2_K", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES = FLOAT + QUANTIZED + DEQUANTIZED
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM"}
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
@@ -176,7 +179,7 @@ def model_config(meta: dict, infos: List[TensorInfo], path: Path) -> dict:
 
     if get("expert_count", 0):
         raise EagleError(f"GGUF file {path} holds a mixture-of-experts model; GGUF targets "
-                         "support dense Llama-architecture models.")
+                         f"support dense {', '.join(SUPPORTED_ARCHITECTURES)} models.")
     names = {t.name for t in infos}
     hidden = int(get("embedding_length", required=True))
     heads = int(get("attention.head_count", required=True))
@@ -189,8 +192,8 @@ def model_config(meta: dict, infos: List[TensorInfo], path: Path) -> dict:
     embed = next((t for t in infos if t.name == "token_embd.weight"), None)
     vocab = get("vocab_size") or (len(tokens) if tokens else None) or (embed.shape[0] if embed else None)
     config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": arch,
+        "architectures": [_HF_ARCHITECTURES[arch]],
         "hidden_size": hidden,
         "num_hidden_layers": int(get("block_count", required=True)),
         "intermediate_size": int(get("feed_forward_length", required=True)),
@@ -220,7 +223,7 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
@@ -360,7 +363,9 @@ def load_weights(path: Path, infos: List[TensorInfo], config: dict):
         else:
             weights[name] = value
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    for key, value in list(weights.items()):
+    # llama.cpp's converter permutes Q/K rows for the llama architecture only (Qwen files
+    # keep the rotate-half layout, which ggml's NEOX RoPE reads)
+    for key, value in list(weights.items()) if config["model_type"] == "llama" else []:
         if ".self_attn.q_proj." in key:
             weights[key] = _unpermute(value, n_heads)
         elif ".self_attn.k_proj." in key:

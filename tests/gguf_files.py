@@ -76,7 +76,7 @@ GGUF_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -90,8 +90,9 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_gguf(path: Path, hf_folder: Path, vocab: str, types=None, default="F32",
-               spm_processor=None, gpt2_vocab=None, pre="gpt2", add_bos=None):
-    """Write the transformers model in `hf_folder` as a llama GGUF.
+               spm_processor=None, gpt2_vocab=None, pre="gpt2", add_bos=None, arch="llama"):
+    """Write the transformers model in `hf_folder` as a GGUF of architecture `arch`
+    (llama, qwen2, qwen3: Q/K rows permuted for llama only, as llama.cpp's converter does).
 
     types: {gguf tensor name (or a substring of it): ggml type name}; 2-D weights not named
     get `default`, norms stay F32 (as llama.cpp keeps them)."""
@@ -101,8 +102,8 @@ def write_gguf(path: Path, hf_folder: Path, vocab: str, types=None, default="F32
     cfg = json.loads((hf_folder / "config.json").read_text())
     state = load_file(str(hf_folder / "model.safetensors"))
     T = gguf.GGMLQuantizationType
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny test llama")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny test {arch}")
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -111,7 +112,11 @@ def write_gguf(path: Path, hf_folder: Path, vocab: str, types=None, default="F32
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if arch != "llama":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
     if vocab == "gpt2":
         tokens, merges, _ = gpt2_vocab
@@ -154,9 +159,9 @@ def write_gguf(path: Path, hf_folder: Path, vocab: str, types=None, default="F32
     for hf_name, arr in state.items():
         name = gguf_name(hf_name)
         arr = arr.astype(np.float32)
-        if "attn_q" in name:
+        if arch == "llama" and "attn_q" in name:
             arr = _permute(arr, cfg["num_attention_heads"])
-        elif "attn_k" in name:
+        elif arch == "llama" and "attn_k" in name:
             arr = _permute(arr, cfg["num_key_value_heads"])
         if arr.ndim == 1:
             w.add_tensor(name, arr)

@@ -81,6 +81,26 @@ def test_float_gguf_matches_transformers(tmp_path, hf_folders, gpt2_vocab, kind,
     assert target.config["tie_word_embeddings"] == (kind == "tied")
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_gguf_matches_transformers(tmp_path, gpt2_vocab, arch):
+    """Qwen2 (q/k/v bias) and Qwen3 (q/k norms, explicit head_dim, tied) GGUFs, with a
+    quantized mix, against transformers' GGUF loader."""
+    v = len(gpt2_vocab[0])
+    # transformers' GGUF reader leaves Qwen3's head_dim at its default, 128 (ours reads the
+    # file's attention.key_length), so the test model has heads of 128
+    extra = {"tie_word_embeddings": True, "head_dim": 128} if arch == "qwen3" else {}
+    folder = make_hf_model(tmp_path / arch, arch, vocab_size=v, num_hidden_layers=2,
+                           num_key_value_heads=2, rope_theta=1e6, **extra)
+    path = write_gguf(tmp_path / f"{arch}.gguf", folder, "gpt2", gpt2_vocab=gpt2_vocab,
+                      pre="qwen2", arch=arch)
+    target, _ = compare_with_transformers(path)
+    assert target.model_type == arch
+    # the same file with Q8_0 matmul weights stays quantized and close to the float one
+    q8 = write_gguf(tmp_path / f"{arch}-q8.gguf", folder, "gpt2", gpt2_vocab=gpt2_vocab,
+                    pre="qwen2", arch=arch, default="Q8_0")
+    compare_with_transformers(q8, atol=1e-3)
+
+
 QUANT_MIX = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0",
              "attn_output": "Q4_1", "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0",
              "output.weight": "Q4_0"}
