@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 from typing import Optional
 
+import mlx.core as mx
+
 from .checkpoint import load_head
 from .target import Target, convert_dtype, load_target, resolve_dtype
 from .tuning import read_tuning
@@ -49,5 +51,7 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     head = load_head(eagle, t)
     if convert_to is not None:
         convert_dtype(head, convert_to)
+        if not lazy:
+            mx.eval(head.parameters())
     path = head.source_path
     return EagleModel(t, head, str(path), read_tuning(path, t.path, t.dtype)), tokenizer

@@ -75,8 +75,9 @@ class SamplingParams:
         return mx.random.categorical(self.logprobs(logits))
 
 
-# mlx-lm's stream for generation work (its generate_step computes there too)
-generation_stream = mx.new_stream(mx.default_device())
+# a stream for generation work, as mlx-lm's (a thread-local one: every thread that
+# generates, such as the server's worker, gets its own)
+generation_stream = getattr(mx, "new_thread_local_stream", mx.new_stream)(mx.default_device())
 PREFILL_STEP_SIZE = 2048  # prompt tokens per prefill chunk, as mlx-lm's generate_step
 
 
@@ -100,6 +101,7 @@ class PromptCache:
         self.head = None       # the head's cache (EAGLE only)
         self.features = None   # [target offset - head offset, F]
         self.valid = False     # False while a cycle is under way (or was interrupted)
+        self.reused = 0        # prompt tokens the last call found in the caches
 
     def reuse(self, owner, prompt: Sequence[int]) -> int:
         """Make the caches hold a prefix of `prompt` (at most all but its last token) and
@@ -122,7 +124,7 @@ class PromptCache:
         for c in self.target:
             c.truncate(common)
         self.tokens = self.tokens[:common]
-        self.valid = False
+        self.valid, self.reused = False, common
         return common
 
 

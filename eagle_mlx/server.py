@@ -1,0 +1,490 @@
+"""`python -m eagle_mlx.server`: an OpenAI-compatible HTTP server with EAGLE behind it.
+
+    python -m eagle_mlx.server --model ... --eagle ... [--host 127.0.0.1] [--port 8080]
+
+Endpoints (as `mlx_lm.server` has them): POST /v1/chat/completions, POST /v1/completions,
+GET /v1/models, GET /health. Built on the standard library's ThreadingHTTPServer, as
+mlx_lm.server is: no framework to install or keep up with, and every connection gets a
+thread that only parses, validates and streams. Generation runs on one worker thread,
+one request at a time in arrival order (the model and its caches are not shared between
+threads); the worker keeps a PromptCache, so a request that extends the previous
+conversation prefills only its new messages. A client that disconnects stops its
+generation at the next target forward.
+"""
+
+import json
+import queue
+import signal
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import List, Optional
+
+from .cli import ArgumentParser, add_dtype_arg, run_cli
+from .errors import EagleError
+
+MAX_BODY_BYTES = 1 << 20  # default limit on a request body
+MAX_STOP_STRINGS = 4      # as OpenAI's API
+
+
+class RequestError(Exception):
+    """A bad request: HTTP status and one sentence for the OpenAI-style error object."""
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def _int(body, key, default, low, high=None):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or \
+            (high is not None and value > high):
+        bound = f" from {low} to {high}" if high is not None else f" of at least {low}"
+        raise RequestError(f"'{key}' must be a whole number{bound} (got {value!r}).", param=key)
+    return value
+
+
+def _number(body, key, default, low, high, low_open=False):
+    import math
+
+    value = body.get(key, default)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low}, {high}]"
+        raise RequestError(f"'{key}' must be a number in {interval} (got {value!r}).", param=key)
+    return float(value)
+
+
+def _text_content(content, where: str) -> str:
+    """A message's content: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise RequestError(f"{where} must be a string or a list of text parts.", param="messages")
+
+
+class Job:
+    """One request on its way through the worker: settings in, events out."""
+
+    def __init__(self, ids: List[int], settings: dict, stop: List[str]):
+        self.ids, self.settings, self.stop = ids, settings, stop
+        self.events = queue.Queue()  # ("text", str) ... ("done", finish, usage) | ("error", msg)
+        self.cancelled = threading.Event()
+
+
+class Engine:
+    """The model, its single worker thread and the prompt cache it keeps."""
+
+    def __init__(self, model, tokenizer, model_id: str, log=None):
+        import mlx.core as mx
+
+        from .speculative import PromptCache
+
+        # nothing lazy may reach the worker: arrays are tied to the thread that made them
+        mx.eval(model.target.model.parameters(),
+                model.head.parameters() if model.head is not None else [])
+        self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
+        self.cache = PromptCache()
+        self.jobs = queue.Queue()
+        self.current, self.stopping = None, False
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.worker = threading.Thread(target=self._work, name="eagle-worker", daemon=True)
+        self.worker.start()
+
+    def submit(self, job: Job) -> Job:
+        self.jobs.put(job)
+        return job
+
+    def stop(self, timeout: float = 30.0):
+        """Cancel what runs and what waits, and wait for the worker to finish."""
+        self.stopping = True
+        if self.current is not None:
+            self.current.cancelled.set()
+        self.jobs.put(None)
+        self.worker.join(timeout)
+
+    def _work(self):
+        while True:
+            job = self.current = self.jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set() or self.stopping:
+                job.events.put(("error", "the server is shutting down."))
+                continue
+            try:
+                self._run(job)
+            except EagleError as e:
+                job.events.put(("error", str(e)))
+            except Exception as e:  # keep serving: the request fails, the server does not
+                self.log(f"error: generation failed ({type(e).__name__}: {e})")
+                job.events.put(("error", "generation failed inside the server."))
+
+    def _run(self, job: Job):
+        from .generation import stream_generate
+
+        held, finish, last, by_string = "", None, None, False
+        for r in stream_generate(self.model, self.tokenizer, job.ids, prompt_cache=self.cache,
+                                 **job.settings):
+            last = r
+            if job.cancelled.is_set():
+                finish = "cancelled"
+                break
+            held += r.text
+            cut = _find_stop(held, job.stop)
+            if cut is not None:
+                emit, finish, by_string = held[:cut], "stop", True
+            else:
+                keep = _partial_stop(held, job.stop)  # might be the start of a stop string
+                emit, held = held[: len(held) - keep], held[len(held) - keep:]
+                finish = r.finish_reason
+            if emit:
+                job.events.put(("text", emit))
+            if cut is not None or r.finish_reason is not None:
+                break
+        if held and not by_string and finish != "cancelled":  # a stop string's start that ended it
+            job.events.put(("text", held))
+        usage = {
+            "prompt_tokens": len(job.ids),
+            "completion_tokens": last.generation_tokens if last else 0,
+            "total_tokens": len(job.ids) + (last.generation_tokens if last else 0),
+            "prompt_tokens_details": {"cached_tokens": self.cache.reused},
+            "eagle": {"tau": round(last.mean_accept_length, 4) if last else 0.0,
+                      "target_forwards": last.target_forwards if last else 0,
+                      "speculative": bool(last and last.accept_lengths)},
+        }
+        job.events.put(("done", "stop" if finish in ("stop", "cancelled") else finish or "length",
+                        usage))
+
+
+def _find_stop(text: str, stops: List[str]) -> Optional[int]:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _partial_stop(text: str, stops: List[str]) -> int:
+    """Length of the longest end of `text` that begins some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if s.startswith(text[-n:]):
+                best = n
+                break
+    return best
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "eagle_mlx"
+    protocol_version = "HTTP/1.1"
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def engine(self) -> Engine:
+        return self.server.engine
+
+    def log_message(self, fmt, *args):  # one line per request, on stderr
+        if self.server.verbose:
+            super().log_message(fmt, *args)
+
+    def _send_json(self, status: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, e: RequestError) -> None:
+        self.engine.log(f"refused {self.command} {self.path}: {e} (HTTP {e.status})")
+        kind = {401: "authentication_error", 404: "not_found_error",
+                413: "invalid_request_error"}.get(e.status, "invalid_request_error")
+        self._send_json(e.status, {"error": {"message": str(e), "type": kind, "param": e.param,
+                                             "code": e.code}})
+
+    def _authorized(self) -> bool:
+        key = self.server.api_key
+        return key is None or self.headers.get("Authorization", "") == f"Bearer {key}"
+
+    def _body(self) -> dict:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise RequestError("the request needs a Content-Length header with the body's size.",
+                               status=411)
+        if int(length) > self.server.max_body:
+            self.close_connection = True
+            raise RequestError(f"the request body is {length} bytes, more than the server's "
+                               f"limit of {self.server.max_body}.", status=413)
+        raw = self.rfile.read(int(length))
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise RequestError("the request body is not valid UTF-8.") from None
+        except json.JSONDecodeError as e:
+            raise RequestError(f"the request body is not valid JSON ({e.msg} at character "
+                               f"{e.pos}).") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object.")
+        return body
+
+    # ------------------------------------------------------------------ routes
+    def do_GET(self):
+        try:
+            if self.path == "/health":
+                return self._send_json(200, {"status": "ok"})
+            if not self._authorized():
+                raise RequestError("a valid API key is required (Authorization: Bearer KEY).",
+                                   status=401, code="invalid_api_key")
+            if self.path == "/v1/models":
+                return self._send_json(200, {"object": "list", "data": [{
+                    "id": self.engine.model_id, "object": "model", "created": self.server.started,
+                    "owned_by": "eagle_mlx"}]})
+            raise RequestError(f"no such endpoint: GET {self.path}.", status=404)
+        except RequestError as e:
+            self._error(e)
+
+    def do_POST(self):
+        try:
+            if not self._authorized():
+                raise RequestError("a valid API key is required (Authorization: Bearer KEY).",
+                                   status=401, code="invalid_api_key")
+            if self.path not in ("/v1/chat/completions", "/v1/completions"):
+                raise RequestError(f"no such endpoint: POST {self.path}.", status=404)
+            body = self._body()
+            chat = self.path == "/v1/chat/completions"
+            ids, settings, stop, stream, usage_in_stream = self._parse(body, chat)
+        except RequestError as e:
+            return self._error(e)
+        job = self.engine.submit(Job(ids, settings, stop))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        try:
+            if stream:
+                self._stream(job, rid, chat, usage_in_stream)
+            else:
+                self._complete(job, rid, chat)
+        except (BrokenPipeError, ConnectionResetError):
+            job.cancelled.set()  # the client left: the worker stops at its next forward
+            self.close_connection = True
+            self.engine.log(f"client of {rid} disconnected; its generation was stopped")
+
+    def _parse(self, body: dict, chat: bool):
+        from .cli import chat_prompt
+        from .generation import MAX_SEED, encode_prompt
+
+        model = body.get("model")
+        if model is not None and model not in (self.engine.model_id, "default"):
+            raise RequestError(f"unknown model {model!r}; this server serves "
+                               f"{self.engine.model_id!r}.", param="model", code="model_not_found")
+        tok = self.engine.tokenizer
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise RequestError("'messages' must be a non-empty list of messages.",
+                                   param="messages")
+            rendered = []
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant",
+                                                                     "developer"):
+                    raise RequestError(f"messages[{i}] must be an object with a 'role' of system, "
+                                       "user, assistant or developer.", param="messages")
+                role = "system" if m["role"] == "developer" else m["role"]
+                rendered.append({"role": role,
+                                 "content": _text_content(m.get("content"), f"messages[{i}].content")})
+            if not getattr(tok, "chat_template", None):
+                raise RequestError("this model has no chat template; use /v1/completions.")
+            ids = chat_prompt(tok, rendered)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str) or not prompt:
+                raise RequestError("'prompt' must be a non-empty string.", param="prompt")
+            ids = encode_prompt(tok, prompt)
+        context = self.engine.model.target.max_context
+        if len(ids) >= context:
+            raise RequestError(f"the prompt is {len(ids)} tokens long; the model's context is "
+                               f"{context} tokens.", param="messages" if chat else "prompt",
+                               code="context_length_exceeded")
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        max_tokens = _int(body, key, self.server.default_max_tokens, 1, 10**9)
+        max_tokens = min(max_tokens, context - len(ids))  # capped by the context
+        if _int(body, "n", 1, 1, 1) != 1:
+            raise RequestError("'n' must be 1.", param="n")
+        stop = body.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not (isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS and
+                all(isinstance(s, str) and s for s in stop)):
+            raise RequestError(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} "
+                               "non-empty strings.", param="stop")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError("'stream' must be true or false.", param="stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise RequestError("'stream_options' must be an object with a boolean "
+                               "'include_usage'.", param="stream_options")
+        settings = {
+            "max_tokens": max_tokens,
+            "temp": _number(body, "temperature", self.server.default_temp, 0, 2),
+            "top_p": _number(body, "top_p", 1.0, 0, 1, low_open=True),
+            "min_p": _number(body, "min_p", 0.0, 0, 1),
+            "top_k": _int(body, "top_k", 0, 0),
+            "seed": _int(body, "seed", None, 0, MAX_SEED),
+        }
+        return ids, settings, stop, stream, bool(options.get("include_usage", False))
+
+    def _events(self, job: Job):
+        while True:
+            event = job.events.get()
+            yield event
+            if event[0] in ("done", "error"):
+                return
+
+    def _complete(self, job: Job, rid: str, chat: bool):
+        text = []
+        for event in self._events(job):
+            if event[0] == "text":
+                text.append(event[1])
+            elif event[0] == "error":
+                return self._error(RequestError(event[1]))
+            else:
+                _, finish, usage = event
+        content = "".join(text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content},
+                   "finish_reason": finish, "logprobs": None} if chat else
+                  {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+        self._send_json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                              "created": int(time.time()), "model": self.engine.model_id,
+                              "choices": [choice], "usage": usage})
+
+    def _stream(self, job: Job, rid: str, chat: bool, include_usage: bool):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def send(choices, **extra):
+            chunk = {"id": rid, "object": obj, "created": created, "model": self.engine.model_id,
+                     "choices": choices, **extra}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+
+        def choice(content=None, finish=None, role=False):
+            if chat:
+                delta = {"role": "assistant"} if role else {}
+                if content is not None:
+                    delta["content"] = content
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": content or "", "finish_reason": finish, "logprobs": None}
+
+        if chat:
+            send([choice(content="", role=True)])
+        for event in self._events(job):
+            if event[0] == "text":
+                send([choice(content=event[1])])
+            elif event[0] == "error":
+                self.wfile.write(f"data: {json.dumps({'error': {'message': event[1]}})}\n\n".encode())
+                break
+            else:
+                _, finish, usage = event
+                send([choice(finish=finish)])
+                if include_usage:
+                    send([], usage=usage)
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def build_parser() -> ArgumentParser:
+    from .demo import DEMO_NOTE
+
+    p = ArgumentParser(prog="python -m eagle_mlx.server",
+                       description="An OpenAI-compatible server with EAGLE speculative decoding.")
+    p.add_argument("--model", help=f"target folder, repo id or GGUF file ({DEMO_NOTE})")
+    p.add_argument("--eagle", help="EAGLE head folder or repo id (omitted: plain decoding, unless "
+                                   "the demo target is used)")
+    add_dtype_arg(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help=f"largest request body accepted (default {MAX_BODY_BYTES})")
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="max_tokens of a request that gives none (capped by the context)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature of a request that gives none")
+    p.add_argument("--model-id", default=None, help="the id /v1/models reports (default: the path)")
+    p.add_argument("--verbose", action="store_true", help="log every request")
+    return p
+
+
+def _main(argv) -> int:
+    from .cli import UsageError, load_from_args
+
+    args = build_parser().parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be from 0 to 65535 (got {args.port}).")
+    if args.max_body_bytes < 1024:
+        raise UsageError(f"--max-body-bytes must be at least 1024 (got {args.max_body_bytes}).")
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
+    if not 0 <= args.temp <= 2:
+        raise UsageError(f"--temp must be in [0, 2] (got {args.temp}).")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key is empty.")
+    model, tokenizer = load_from_args(args)
+    model_id = args.model_id or args.model or "eagle_mlx-demo"
+    try:
+        server = Server((args.host, args.port), Handler)
+    except OSError as e:
+        raise EagleError(f"cannot listen on {args.host}:{args.port} ({e.strerror}).") from None
+    server.engine = Engine(model, tokenizer, model_id)
+    server.api_key, server.max_body = args.api_key, args.max_body_bytes
+    server.default_max_tokens, server.default_temp = args.max_tokens, args.temp
+    server.verbose, server.started = args.verbose, int(time.time())
+
+    def stop(signum, frame):  # Ctrl-C / SIGTERM: stop accepting, finish, exit
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    host, port = server.server_address[:2]
+    mode = "plain decoding" if model.head is None else f"{model.head.kind} head"
+    print(f"serving {model_id} ({mode}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.engine.stop()
+        server.server_close()
+    print("server stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
