@@ -4,6 +4,7 @@ that end in one sentence, never a traceback."""
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .errors import EagleError
 from .tree import MC_SIM_7B_63
@@ -43,6 +44,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle", help="EAGLE head folder or repo id (MLX or PyTorch); "
                                    "omitted: plain decoding, unless the demo target is used")
     add_dtype_arg(p)
+    add_draft_vocab_args(p)
+
+
+def add_draft_vocab_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="EAGLE-1 heads: draft over the N target tokens most frequent in answers "
+                        "(0: the whole vocabulary; default: the whole vocabulary, or the demo "
+                        "pair's measured choice)")
+    p.add_argument("--draft-vocab-data", default=None,
+                   help="ShareGPT-style file to count token frequencies on (default: ShareGPT)")
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -120,11 +131,32 @@ def load_from_args(args):
     from .demo import demo_paths
     from .model import load
 
+    from .demo import DEMO_DRAFT_VOCAB
+
     model_path, eagle_path = args.model, args.eagle
+    draft_vocab = getattr(args, "draft_vocab", None)
+    if draft_vocab is not None and draft_vocab < 0:
+        raise UsageError(f"--draft-vocab must be 0 (the whole vocabulary) or positive "
+                         f"(got {draft_vocab}).")
     if model_path is None:
         model_path, demo_head = demo_paths()
+        if draft_vocab is None and eagle_path is None:
+            draft_vocab = DEMO_DRAFT_VOCAB
         eagle_path = eagle_path or demo_head
-    return load(model_path, eagle=eagle_path, dtype=args.dtype)
+    model, tokenizer = load(model_path, eagle=eagle_path, dtype=args.dtype)
+    if draft_vocab and model.head is not None:
+        from .model import attach_draft_vocab
+
+        data = getattr(args, "draft_vocab_data", None)
+        if data is not None and not Path(data).is_file():
+            raise EagleError(f"--draft-vocab-data file {data} does not exist.")
+        try:
+            attach_draft_vocab(model.head, model.target, tokenizer, draft_vocab, data)
+        except EagleError as e:
+            if str(e).startswith("draft_vocab"):
+                raise UsageError("--" + str(e).replace("_", "-", 1)) from None
+            raise
+    return model, tokenizer
 
 
 def generation_kwargs(args) -> dict:

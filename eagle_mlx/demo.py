@@ -3,6 +3,7 @@ EAGLE-1 head trained for it, shipped inside this package. Used when no --model i
 
 import importlib.util
 from pathlib import Path
+from typing import Optional
 
 from .errors import EagleError
 
@@ -28,3 +29,20 @@ def demo_paths():
     """(target GGUF file, head folder) of the demo pair."""
     head = DEMO_DIR / "head"
     return str(demo_target()), (str(head) if (head / "config.json").is_file() else None)
+
+
+RANKING_FILE = DEMO_DIR / "token_ranking.npy"
+# draft over the demo target's most frequent answer tokens (README: tau and draft cost
+# against the draft vocabulary size on the demo pair)
+DEMO_DRAFT_VOCAB = 0
+
+
+def demo_ranking(target) -> Optional["object"]:
+    """The shipped token ranking (scripts/make_demo.py --ranking) when `target` is the demo
+    target, else None."""
+    import numpy as np
+
+    path = getattr(target, "path", None)
+    if path is None or Path(path).name != DEMO_GGUF or not RANKING_FILE.is_file():
+        return None
+    return np.load(RANKING_FILE).astype(np.int32)

@@ -98,7 +98,7 @@ def check_values(max_tokens=256, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=N
 
 def check_tree(model, total_tokens, depth, draft_top_k, tree_choices) -> None:
     """The tree against the head (after loading)."""
-    vocab = getattr(model.head.args, "draft_vocab_size", None) or model.head.args.vocab_size
+    vocab = model.head.draft_vocab_size
     _check(draft_top_k <= vocab,
            f"draft_top_k {draft_top_k} exceeds the head's draft vocabulary of {vocab}.")
     if not tree_choices:  # (a tree deeper than the context left ends in plain steps)

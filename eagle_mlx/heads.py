@@ -135,6 +135,11 @@ class Eagle1Head(nn.Module):
         self.layers = [Eagle1Layer(args)]
 
     feature_size = property(lambda self: self.args.hidden_size)
+    draft = None  # a DraftVocab: draft over N frequent tokens instead of the whole vocabulary
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.draft.size if self.draft is not None else self.args.vocab_size
 
     def __call__(self, features, tokens, embed, cache=None, positions=None, mask=None):
         """features [B, T, H] paired with tokens [B, T] -> out_hidden [B, T, H]."""
@@ -143,10 +148,12 @@ class Eagle1Head(nn.Module):
         return self.layers[0](x, cache, positions, mask)
 
     def logits(self, out_hidden, target) -> mx.array:
+        if self.draft is not None:  # the N kept rows of the target's lm_head
+            return out_hidden @ self.draft.rows.T.astype(out_hidden.dtype)
         return target.lm_head(out_hidden)
 
     def to_target_ids(self, draft_ids: mx.array) -> mx.array:
-        return draft_ids
+        return draft_ids if self.draft is None else self.draft.ids[draft_ids]
 
     def make_cache(self):
         return TreeKVCache()
@@ -186,6 +193,7 @@ class Eagle3Head(nn.Module):
             self.d2t = mx.zeros((args.draft_vocab_size,), dtype=mx.int64)
 
     feature_size = property(lambda self: 3 * self.args.target_width)
+    draft_vocab_size = property(lambda self: self.args.draft_vocab_size)
 
     def __call__(self, features, tokens, embed, cache=None, positions=None, mask=None):
         """features: three target taps [B, T, 3 x target width] (through fc) or the head's

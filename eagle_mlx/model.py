@@ -36,12 +36,16 @@ class EagleModel:
 
 
 def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
-         dtype: Optional[str] = None):
+         dtype: Optional[str] = None, draft_vocab: Optional[int] = None,
+         draft_vocab_data: Optional[str] = None):
     """Load a target (folder, Hugging Face repo id or GGUF file) and, optionally, its EAGLE head.
 
     `eagle` may be a converted MLX head folder or a published PyTorch one (converted in
     memory). dtype: "auto" (default: float32 on the CPU, as stored on a GPU), "stored",
     "float32", "float16" or "bfloat16", for the target and the head alike.
+    draft_vocab: draft an EAGLE-1 head over the N target tokens most frequent in answers
+    (ShareGPT, or the ShareGPT-style file `draft_vocab_data`, counted with the target's
+    tokenizer) instead of the whole vocabulary; None or 0: the whole vocabulary.
     Returns (EagleModel, tokenizer); with eagle=None decoding is plain.
     """
     convert_to = resolve_dtype(dtype)
@@ -53,5 +57,25 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
         convert_dtype(head, convert_to)
         if not lazy:
             mx.eval(head.parameters())
+    if draft_vocab:
+        attach_draft_vocab(head, t, tokenizer, draft_vocab, draft_vocab_data)
     path = head.source_path
     return EagleModel(t, head, str(path), read_tuning(path, t.path, t.dtype)), tokenizer
+
+
+def attach_draft_vocab(head, target, tokenizer, n, data=None) -> None:
+    """Make an EAGLE-1 head draft over the n most frequent target tokens."""
+    from .demo import demo_ranking
+    from .draft_vocab import draft_vocab, token_ranking
+    from .errors import EagleError
+
+    if head.kind != "eagle1":
+        raise EagleError("draft_vocab applies to EAGLE-1 heads; an EAGLE-3 head drafts over the "
+                         "vocabulary it was trained with (its d2t).")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= target.vocab_size:
+        raise EagleError(f"draft_vocab must be from 1 to the vocabulary size {target.vocab_size} "
+                         f"(got {n!r}).")
+    order = demo_ranking(target) if data is None else None
+    if order is None:
+        order = token_ranking(tokenizer, target.vocab_size, data)
+    head.draft = draft_vocab(target, order, n)

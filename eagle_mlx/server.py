@@ -22,7 +22,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional
 
-from .cli import ArgumentParser, add_dtype_arg, run_cli
+from .cli import ArgumentParser, add_draft_vocab_args, add_dtype_arg, run_cli
 from .errors import EagleError
 
 MAX_BODY_BYTES = 1 << 20  # default limit on a request body
@@ -425,6 +425,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--eagle", help="EAGLE head folder or repo id (omitted: plain decoding, unless "
                                    "the demo target is used)")
     add_dtype_arg(p)
+    add_draft_vocab_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")

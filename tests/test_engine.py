@@ -1,6 +1,7 @@
 """The speculative loop: official parity, losslessness (greedy and sampling), edge cases."""
 
 import itertools
+import json
 
 import mlx.core as mx
 import numpy as np
@@ -552,3 +553,78 @@ def test_prompt_cache_prefills_only_what_changed(pair, monkeypatch, speculate):
     fourth = first_prompt + partial + [29]
     reused = run(fourth, cache)
     assert prefilled() < len(fourth) and reused == run(fourth)
+
+
+# ---------------------------------------------------------- a reduced draft vocabulary
+
+def test_draft_vocab_ranks_answer_tokens_by_frequency(tmp_path, small_vocab_pair):
+    """The kept ids are the most frequent target ids of the answers (counted here
+    independently with collections.Counter), mapped both ways."""
+    from collections import Counter
+
+    from eagle_mlx.data import load_conversations
+    from eagle_mlx.draft_vocab import count_tokens, draft_vocab, ranking
+
+    target_dir, _ = small_vocab_pair
+    model, tok = eagle_mlx.load(str(target_dir))
+    rng = np.random.default_rng(4)
+    data = [{"id": str(i), "conversations": [
+        {"from": "human", "value": "t3 t4"},
+        {"from": "gpt", "value": " ".join(f"t{int(x)}" for x in rng.choice(
+            [3, 4, 5, 6, 7], size=12, p=[0.05, 0.1, 0.2, 0.25, 0.4]))}]} for i in range(30)]
+    (tmp_path / "d.json").write_text(json.dumps(data))
+    convs = load_conversations(str(tmp_path / "d.json"))
+    counts = count_tokens(tok, convs, model.target.vocab_size)
+    expected = Counter()
+    for c in convs:
+        for m in c:
+            if m["role"] == "assistant":
+                expected.update(tok.encode(m["content"], add_special_tokens=False))
+                expected.update(tok.eos_token_ids)
+    assert counts.tolist() == [expected.get(i, 0) for i in range(model.target.vocab_size)]
+    top3 = sorted(expected, key=lambda i: (-expected[i], i))[:3]
+    dv = draft_vocab(model.target, ranking(counts), 3)
+    assert np.array(dv.ids).tolist() == sorted(top3)
+    rows = np.array(model.target.lm_head(mx.eye(model.target.hidden_size)).T)[sorted(top3)]
+    np.testing.assert_allclose(np.array(dv.rows), rows, atol=1e-5)
+
+
+@pytest.mark.parametrize("pair", ["llama-eagle1", "llama4bit-eagle1", "qwen2-eagle1-qkv-bias"])
+def test_greedy_with_a_reduced_draft_vocab_equals_plain(random_pairs, tmp_path, pair):
+    from eagle_mlx.draft_vocab import draft_vocab
+
+    target_dir, head_dir = random_pairs[pair]
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
+    rng = np.random.default_rng(9)
+    model.head.draft = draft_vocab(model.target, rng.permutation(64), 20)
+    for tree in (TREES[0], TREES[1], TREES[4]):
+        prompt = rng.integers(3, 64, 6).tolist()
+        rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40, **tree))
+        drafted = [t for r in rs for t in r.tokens]
+        assert drafted == plain_greedy(target_dir, prompt, 40), tree
+    with pytest.raises(EagleError, match="draft_top_k 21 exceeds the head's draft vocabulary of 20"):
+        list(eagle_mlx.stream_generate(model, tok, [4, 5], draft_top_k=21, depth=1,
+                                       total_tokens=4))
+
+
+def test_sampling_with_a_reduced_draft_vocab_is_lossless(small_vocab_pair):
+    from eagle_mlx.draft_vocab import draft_vocab
+
+    target_dir, head_dir = small_vocab_pair
+    model, _ = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
+    model.head.draft = draft_vocab(model.target, np.array([5, 2, 7, 0, 3, 1, 4, 6]), 4)
+    sampling = SAMPLING_CASES[1][0]
+    prompt, n_tokens, runs = [1, 4, 6], 3, 1500
+    counts = _sample_counts(model, prompt, runs, n_tokens, sampling,
+                            dict(total_tokens=8, depth=3, draft_top_k=2))
+    p_value, stat = _chi_square_p(counts, _exact_distribution(model, prompt, n_tokens, sampling), runs)
+    assert p_value > 1e-3, (p_value, stat)
+
+
+def test_draft_vocab_refusals(random_pairs):
+    target_dir, head_dir = random_pairs["llama-eagle3"]
+    with pytest.raises(EagleError, match="EAGLE-1 heads"):
+        eagle_mlx.load(str(target_dir), eagle=str(head_dir), draft_vocab=10)
+    target_dir, head_dir = random_pairs["llama-eagle1"]
+    with pytest.raises(EagleError, match="draft_vocab must be from 1 to the vocabulary size 64"):
+        eagle_mlx.load(str(target_dir), eagle=str(head_dir), draft_vocab=65)

@@ -1,0 +1,119 @@
+"""A reduced draft vocabulary for EAGLE-1 heads (EAGLE-3's `d2t` idea, for heads without it).
+
+An EAGLE-1 head drafts through the target's lm_head: every draft level multiplies each
+frontier node by the whole vocabulary (SmolLM2's tied 49152 x 576 matrix is a fifth of
+the model). Keeping only the N target tokens that answers use most makes each level read
+N rows instead. It stays lossless: the target verifies every drafted token, and a token
+outside the N is still produced by the target (as the bonus token), just never drafted.
+
+The ranking comes from token frequencies in assistant replies (ShareGPT by default, or
+the user's ShareGPT-style data) tokenized with the target's tokenizer; counts are kept
+in the user's cache, keyed by the tokenizer's vocabulary and the data.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import EagleError
+
+COUNT_CONVERSATIONS = 4000  # ShareGPT conversations counted (about 4M answer tokens)
+
+
+@dataclass
+class DraftVocab:
+    """The draft's token ids (in target ids) and the lm_head rows that score them."""
+
+    ids: mx.array   # [N] int32
+    rows: mx.array  # [N, H]
+
+    @property
+    def size(self) -> int:
+        return self.ids.shape[0]
+
+
+def count_tokens(tokenizer, conversations, vocab_size: int) -> np.ndarray:
+    """How often each target token occurs in the assistant replies (plus one end-of-turn
+    per reply): what a draft of answers needs."""
+    texts = [m["content"] for c in conversations for m in c if m["role"] == "assistant"]
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    fast = getattr(tokenizer, "_tokenizer", None)
+    for start in range(0, len(texts), 256):
+        chunk = texts[start:start + 256]
+        if callable(fast):
+            encoded = fast(chunk, add_special_tokens=False)["input_ids"]
+        else:
+            encoded = [tokenizer.encode(t, add_special_tokens=False) for t in chunk]
+        for ids in encoded:
+            ids = np.asarray(ids, dtype=np.int64)
+            np.add.at(counts, ids[(ids >= 0) & (ids < vocab_size)], 1)
+    for eos in getattr(tokenizer, "eos_token_ids", None) or []:
+        if 0 <= eos < vocab_size:
+            counts[eos] += len(texts)
+    return counts
+
+
+def ranking(counts: np.ndarray) -> np.ndarray:
+    """Token ids from most to least frequent (ties: lower id first)."""
+    return np.lexsort((np.arange(len(counts)), -counts))
+
+
+def _cache_file(tokenizer, vocab_size: int, data: Optional[str]) -> Path:
+    from .tuning import cache_dir
+
+    vocab = getattr(tokenizer, "vocab", None) or {}
+    key = json.dumps({"vocab": hashlib.sha256(json.dumps(sorted(vocab.items())).encode())
+                      .hexdigest(), "size": vocab_size,
+                      "data": str(Path(data).resolve()) if data else "sharegpt",
+                      "n": COUNT_CONVERSATIONS}, sort_keys=True)
+    return cache_dir().parent / "draft_vocab" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npy"
+
+
+def token_ranking(tokenizer, vocab_size: int, data: Optional[str] = None) -> np.ndarray:
+    """The target's tokens ranked by frequency in answers, counted once and cached."""
+    from .data import load_conversations
+    from .outputs import atomic_file
+
+    path = _cache_file(tokenizer, vocab_size, data)
+    if path.is_file():
+        try:
+            return np.load(path)
+        except (OSError, ValueError):
+            pass  # a damaged cache file is counted again
+    conversations = load_conversations(data, COUNT_CONVERSATIONS)
+    order = ranking(count_tokens(tokenizer, conversations, vocab_size)).astype(np.int32)
+    try:
+        atomic_file(path, lambda t: np.save(t, order))
+    except EagleError:
+        pass  # an unwritable cache only costs the count next time
+    return order
+
+
+def draft_vocab(target, order: np.ndarray, n: int) -> DraftVocab:
+    """The n most frequent tokens of `order` (kept in id order) and their lm_head rows."""
+    if not 1 <= n <= target.vocab_size:
+        raise EagleError(f"draft_vocab must be from 1 to the vocabulary size {target.vocab_size} "
+                         f"(got {n}).")
+    ids = mx.array(np.sort(np.asarray(order[:n])).astype(np.int32))
+    return DraftVocab(ids, lm_head_rows(target, ids))
+
+
+def lm_head_rows(target, ids: mx.array) -> mx.array:
+    """Rows of the target's output matrix (dequantized where it is quantized)."""
+    import mlx.nn as nn
+
+    head = target.model.lm_head if hasattr(target.model, "lm_head") else target.embed_tokens
+    if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        w = mx.dequantize(head.weight[ids], head.scales[ids],
+                          None if head.biases is None else head.biases[ids],
+                          head.group_size, head.bits, mode=head.mode)
+        rows = w.astype(head.scales.dtype)
+    else:
+        rows = head.weight[ids]
+    mx.eval(rows)
+    return rows
