@@ -220,3 +220,25 @@ def test_repo_id_while_offline(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode != 0
     assert "HF_HUB_OFFLINE=1" in proc.stderr and "someone/not-downloaded-model" in proc.stderr
+
+
+def test_eos_ids_include_generation_config(tiny_dir, tmp_path, monkeypatch):
+    """EOS ids come from generation_config.json too (as mlx-lm merges them), and a Hub
+    download asks only for the files a model needs (mlx-lm's allow patterns)."""
+    import huggingface_hub
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_dir("llama2_mha"), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    _, tok = load_target(str(folder))
+    assert {2, 7} <= set(tok.eos_token_ids)
+    seen = {}
+
+    def fake_download(repo, allow_patterns=None):
+        seen["patterns"] = allow_patterns
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    load_target("some-org/some-model")
+    assert "model*.safetensors" in seen["patterns"]
+    assert not any("original" in p or p in ("*", "*.pth", "*.bin") for p in seen["patterns"])
