@@ -270,3 +270,17 @@ def test_a_failed_fresh_training_leaves_no_folder(world, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 1 and "raise --max-len" in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.3, 0.8])
+def test_ctrl_c_while_a_tool_starts_is_quiet(world, delay):
+    """Ctrl-C at any moment of a tool's start (importing MLX, loading) ends in one word."""
+    _, target, head, _ = world
+    proc = subprocess.Popen([sys.executable, "-m", "eagle_mlx.generate", "--model", str(target),
+                             "--eagle", str(head), "--prompt", "t5", "--max-tokens", "2000"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
+    assert b"Traceback" not in err, err.decode()
