@@ -7,11 +7,20 @@
 
 import sys as _sys
 
+_interrupted = False
+
+
+def _on_sigint(signum, frame):
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
 
 def _quiet_interrupt(kind, value, tb):
     """Ctrl-C while a command-line tool is still importing ends as it does later: one word
-    and exit code 130, no traceback."""
-    if issubclass(kind, KeyboardInterrupt):
+    and exit code 130, no traceback (an extension module that is interrupted while it
+    initialises reports an ImportError instead of the KeyboardInterrupt)."""
+    if issubclass(kind, KeyboardInterrupt) or _interrupted:
         import os
 
         print("interrupted", file=_sys.stderr, flush=True)
@@ -20,6 +29,9 @@ def _quiet_interrupt(kind, value, tb):
 
 
 if _sys.argv and _sys.argv[0] == "-m":  # `python -m eagle_mlx.TOOL`, before TOOL is found
+    import signal as _signal
+
+    _signal.signal(_signal.SIGINT, _on_sigint)
     _sys.excepthook = _quiet_interrupt
 
 from .checkpoint import load_head  # noqa: E402

@@ -272,9 +272,10 @@ def test_a_failed_fresh_training_leaves_no_folder(world, tmp_path, capsys):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.3, 0.8])
+@pytest.mark.parametrize("delay", [0.2, 0.3, 0.5, 0.8])
 def test_ctrl_c_while_a_tool_starts_is_quiet(world, delay):
-    """Ctrl-C at any moment of a tool's start (importing MLX, loading) ends in one word."""
+    """Ctrl-C at any moment of a tool's start (importing MLX, loading) ends in one word.
+    (Before 0.1 s the interpreter itself is still starting: that is Python's own.)"""
     _, target, head, _ = world
     proc = subprocess.Popen([sys.executable, "-m", "eagle_mlx.generate", "--model", str(target),
                              "--eagle", str(head), "--prompt", "t5", "--max-tokens", "2000"],
