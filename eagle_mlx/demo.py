@@ -34,7 +34,7 @@ def demo_paths():
 RANKING_FILE = DEMO_DIR / "token_ranking.npy"
 # draft over the demo target's most frequent answer tokens (README: tau and draft cost
 # against the draft vocabulary size on the demo pair)
-DEMO_DRAFT_VOCAB = 0
+DEMO_DRAFT_VOCAB = 8192
 
 
 def demo_ranking(target) -> Optional["object"]:
