@@ -64,10 +64,13 @@ def main():
     p.add_argument("--num-prompts", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
-    model, head = (args.model, args.eagle) if args.model else map(str, demo_paths())
+    if args.model:
+        plain, eagle = ["--model", args.model], ["--model", args.model, "--eagle", args.eagle]
+    else:  # the demo pair as a user gets it (its draft vocabulary included)
+        plain, eagle = ["--model", str(demo_paths()[0])], []
     prompts = [t for _, t in load_prompts(["mt-bench"], args.num_prompts)]
     rows = {}
-    for name, flags in (("plain", ["--model", model]), ("EAGLE", ["--model", model, "--eagle", head])):
+    for name, flags in (("plain", plain), ("EAGLE", eagle)):
         proc, port = start(flags)
         try:
             one(port, "Hello.", 4)  # warm-up

@@ -285,3 +285,24 @@ def test_ctrl_c_while_a_tool_starts_is_quiet(world, delay):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
     assert b"Traceback" not in err, err.decode()
+
+
+def test_a_head_far_below_its_own_record_gets_a_warning(world):
+    """A head whose acceptance is far below the held-out accuracy its trainer recorded (the
+    sign of a head for another target) is named; one that lives up to it is not."""
+    from eagle_mlx.generation import acceptance_warning
+
+    _, target, head, _ = world
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    tok.eos_token_ids = set()
+    r = list(eagle_mlx.stream_generate(model, tok, [5, 6, 7], max_tokens=120))[-1]
+    first = sum(a >= 1 for a in r.accept_lengths) / len(r.accept_lengths)
+    assert len(r.accept_lengths) >= 20 and first < 0.45  # a random head: few drafts accepted
+    model.head.held_out_top1 = min(1.0, 2.5 * first + 0.3)  # promised far more than it did
+    warning = acceptance_warning(model, r)
+    assert warning and "a head for this target?" in warning and "\n" not in warning
+    model.head.held_out_top1 = max(first, 0.01)  # it did what it promised
+    assert acceptance_warning(model, r) is None
+    model.head.held_out_top1 = None
+    model.tuning = {"tau": r.mean_accept_length * 3, "temp": 0.0}  # the benchmark saw far more
+    assert "far below" in acceptance_warning(model, r)
