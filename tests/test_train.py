@@ -148,3 +148,30 @@ def test_a_run_starts_from_an_existing_head_and_counts_its_tokens(setup):
     assert all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
     assert train_main(["--model", str(target), "--data", str(data), "--out", str(root / "seg3"),
                        "--init-head", str(root), *COMMON]) == 1  # not a head folder
+
+
+def test_regen_writes_the_targets_own_answers_and_continues(setup, tmp_path):
+    """Answers written by the target (greedy) are what plain decoding of the same prompt
+    gives, the file continues where it stopped, and training reads it."""
+    import eagle_mlx
+    from eagle_mlx.cli import chat_prompt
+    from eagle_mlx.regen import main as regen_main
+
+    root, target, data = setup
+    out = tmp_path / "answers.jsonl"
+    args = ["--model", str(target), "--data", str(data), "--out", str(out), "--max-tokens", "12",
+            "--batch-size", "3", "--quiet"]
+    assert regen_main([*args, "--num-conversations", "4"]) == 0
+    assert regen_main([*args, "--num-conversations", "7"]) == 0  # continues: 3 more
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [r["source_index"] for r in rows] == list(range(7))
+    model, tok = eagle_mlx.load(str(target))
+    source = load_conversations(str(data))
+    for r in rows[:3]:
+        prompt = [{"role": "user", "content": source[r["source_index"]][0]["content"]}]
+        want = eagle_mlx.generate(model, tok, chat_prompt(tok, prompt), max_tokens=12)
+        assert r["conversations"][-1]["value"] == want
+    assert len(load_conversations(str(out))) == 7
+    assert train_main(["--model", str(target), "--data", str(out), "--out", str(tmp_path / "run"),
+                       "--max-steps", "2", "--batch-size", "2", "--eval-conversations", "2",
+                       "--quiet"]) == 0
