@@ -63,6 +63,19 @@ def ranking(counts: np.ndarray) -> np.ndarray:
     return np.lexsort((np.arange(len(counts)), -counts))
 
 
+def eagle3_mapping(counts: np.ndarray, n: int):
+    """EAGLE-3's draft vocabulary from token counts, in the published layout: the n most
+    frequent target ids in increasing order; `d2t[i]` = target id of draft id i minus i
+    (an offset), `t2d[t]` = whether target id t is in the draft vocabulary."""
+    if not 1 <= n <= len(counts):
+        raise EagleError(f"the draft vocabulary size must be from 1 to the target's vocabulary "
+                         f"size {len(counts)} (got {n}).")
+    ids = np.sort(ranking(counts)[:n])
+    t2d = np.zeros(len(counts), dtype=bool)
+    t2d[ids] = True
+    return (ids - np.arange(n)).astype(np.int64), t2d
+
+
 def _cache_file(tokenizer, vocab_size: int, data: Optional[str]) -> Path:
     from .tuning import cache_dir
 

@@ -628,3 +628,20 @@ def test_draft_vocab_refusals(random_pairs):
     target_dir, head_dir = random_pairs["llama-eagle1"]
     with pytest.raises(EagleError, match="draft_vocab must be from 1 to the vocabulary size 64"):
         eagle_mlx.load(str(target_dir), eagle=str(head_dir), draft_vocab=65)
+
+
+def test_eagle3_mapping_keeps_the_most_frequent_ids_both_ways():
+    """d2t/t2d from counts (the published EAGLE-3 layout) against an exact enumeration."""
+    from eagle_mlx.draft_vocab import eagle3_mapping
+
+    rng = np.random.default_rng(5)
+    counts = rng.integers(0, 50, 300)
+    counts[[7, 99, 200]] = 1000  # surely kept
+    d2t, t2d = eagle3_mapping(counts, 40)
+    kept = sorted(sorted(range(300), key=lambda i: (-counts[i], i))[:40])
+    assert (np.arange(40) + d2t).tolist() == kept           # draft id -> target id
+    assert np.flatnonzero(t2d).tolist() == kept             # target id -> in the draft
+    assert {7, 99, 200} <= set(kept)
+    assert min(counts[kept]) >= max(np.delete(counts, kept))
+    with pytest.raises(EagleError, match="from 1 to the target's vocabulary size 300"):
+        eagle3_mapping(counts, 301)
