@@ -53,6 +53,8 @@ def main():
     p.add_argument("--fastblas", help="run the trainer through this launcher script")
     p.add_argument("--data", help="train on this ShareGPT-style file (such as the target's own "
                                   "answers from python -m eagle_mlx.regen) instead of ShareGPT")
+    p.add_argument("--no-ship", action="store_true",
+                   help="train only (compare first; ship later with --minutes 0)")
     p.add_argument("--ranking", action="store_true",
                    help="only write the demo target's token ranking (the draft vocabulary)")
     args = p.parse_args()
@@ -87,7 +89,8 @@ def main():
                              cwd=ROOT, env=env)
         if rc:
             raise SystemExit(rc)
-    ship(work, target)
+    if not args.no_ship:
+        ship(work, target)
 
 
 def write_ranking():
