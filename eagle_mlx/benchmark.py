@@ -206,6 +206,42 @@ def run_one(model, tokenizer, ids, max_tokens, temp, seed, tree=None, timer=None
             "target_forwards": r.target_forwards}
 
 
+def choose_draft_vocab(model, tokenizer, encoded, args, tree):
+    """The chosen tree with each draft vocabulary size, interleaved prompt by prompt at the
+    first temperature: the size with the most tokens per second (0: the whole vocabulary)."""
+    from .model import attach_draft_vocab
+
+    if model.head.kind != "eagle1":
+        raise UsageError("--draft-vocabs applies to EAGLE-1 heads; an EAGLE-3 head drafts over "
+                         "the vocabulary it was trained with.")
+    drafts = {}
+    for n in args.draft_vocabs:
+        if n:
+            try:
+                attach_draft_vocab(model.head, model.target, tokenizer, n,
+                                   getattr(args, "draft_vocab_data", None))
+            except EagleError as e:
+                raise UsageError("--draft-vocabs: " + str(e)) from None
+            drafts[n] = model.head.draft
+    kept = model.head.draft
+    runs = {n: [] for n in args.draft_vocabs}
+    temp = args.temps[0]
+    for i, (_, ids) in enumerate(encoded):
+        for n in args.draft_vocabs:
+            model.head.draft = drafts.get(n)
+            runs[n].append(run_one(model, tokenizer, ids, args.max_tokens, temp, args.seed + i, tree))
+    model.head.draft = kept
+    summary = {str(n): {"tau": statistics.mean(r["tau"] for r in rs),
+                        "tokens_per_second": statistics.mean(r["tokens_per_second"] for r in rs)}
+               for n, rs in runs.items()}
+    best = max(args.draft_vocabs, key=lambda n: summary[str(n)]["tokens_per_second"])
+    print("draft vocabulary: " + ", ".join(
+        f"{n or 'whole'}: tau {summary[str(n)]['tau']:.2f}, "
+        f"{summary[str(n)]['tokens_per_second']:.1f} tok/s" for n in args.draft_vocabs)
+        + f"; chosen {best or 'the whole vocabulary'}", file=sys.stderr)
+    return best, summary
+
+
 def runs_of(per_prompt, trees, tree):
     j = trees.index(tree)
     return [r["eagle"][j] for r in per_prompt]
@@ -257,6 +293,9 @@ def build_parser():
     p.add_argument("--temps", type=float, nargs="+", default=[0.0], help="temperatures to run")
     p.add_argument("--trees", default=DEFAULT_TREES,
                    help=f"candidate trees TOTAL/DEPTH/TOPK,... (default {DEFAULT_TREES})")
+    p.add_argument("--draft-vocabs", type=int, nargs="+", default=None,
+                   help="EAGLE-1 heads: also measure the chosen tree with these draft "
+                        "vocabulary sizes (0: the whole vocabulary) and keep the fastest")
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="eagle_benchmark.json", help="JSON report")
@@ -285,6 +324,9 @@ def _main(argv):
     except EagleError as e:
         raise UsageError(str(e).replace("seed", "--seed", 1)) from None
     trees = parse_trees(args.trees)
+    if args.draft_vocabs is not None and any(n < 0 for n in args.draft_vocabs):
+        raise UsageError(f"--draft-vocabs must be 0 (the whole vocabulary) or positive sizes "
+                         f"(got {args.draft_vocabs}).")
     output = check_out_file(args.output, "--output")
     plot_path = check_out_file(args.plot if args.plot else output.with_suffix(".png"),
                                "--plot")
@@ -393,6 +435,9 @@ def _main(argv):
     choice = {"speculate": pays, **best["tree"], "expected_speedup": best["expected_speedup"],
               "measured_speedup": best["measured_speedup"], "tau": best["tau"],
               "temp": args.temps[0], "machine": report["machine"], "date": time.strftime("%Y-%m-%d")}
+    if args.draft_vocabs:
+        choice["draft_vocab"], report["draft_vocabs"] = choose_draft_vocab(
+            model, tokenizer, encoded, args, best["tree"])
     report["choice"] = choice
     if pays:
         print(f"chosen tree: total_tokens {best['tree']['total_tokens']}, depth "

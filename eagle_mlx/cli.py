@@ -143,7 +143,9 @@ def load_from_args(args):
         if draft_vocab is None and eagle_path is None:
             draft_vocab = DEMO_DRAFT_VOCAB
         eagle_path = eagle_path or demo_head
-    model, tokenizer = load(model_path, eagle=eagle_path, dtype=args.dtype)
+    # an explicit --draft-vocab 0 also overrides the benchmark's tuned choice
+    model, tokenizer = load(model_path, eagle=eagle_path, dtype=args.dtype,
+                            draft_vocab=0 if draft_vocab == 0 else None)
     if draft_vocab and model.head is not None:
         from .model import attach_draft_vocab
 

@@ -45,7 +45,8 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     "float32", "float16" or "bfloat16", for the target and the head alike.
     draft_vocab: draft an EAGLE-1 head over the N target tokens most frequent in answers
     (ShareGPT, or the ShareGPT-style file `draft_vocab_data`, counted with the target's
-    tokenizer) instead of the whole vocabulary; None or 0: the whole vocabulary.
+    tokenizer) instead of the whole vocabulary; 0: the whole vocabulary; None: the
+    benchmark's choice for this head, target and machine if it made one, else the whole.
     Returns (EagleModel, tokenizer); with eagle=None decoding is plain.
     """
     convert_to = resolve_dtype(dtype)
@@ -57,10 +58,13 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
         convert_dtype(head, convert_to)
         if not lazy:
             mx.eval(head.parameters())
+    path = head.source_path
+    tuning = read_tuning(path, t.path, t.dtype)
+    if draft_vocab is None and tuning and tuning.get("draft_vocab"):
+        draft_vocab = tuning["draft_vocab"]  # the benchmark's choice on this machine
     if draft_vocab:
         attach_draft_vocab(head, t, tokenizer, draft_vocab, draft_vocab_data)
-    path = head.source_path
-    return EagleModel(t, head, str(path), read_tuning(path, t.path, t.dtype)), tokenizer
+    return EagleModel(t, head, str(path), tuning), tokenizer
 
 
 def attach_draft_vocab(head, target, tokenizer, n, data=None) -> None:

@@ -163,6 +163,32 @@ def test_benchmark_writes_json_png_and_tuning(pair, tmp_path, monkeypatch):
     assert other.tuning is None
 
 
+def test_benchmark_chooses_the_draft_vocabulary(pair, tmp_path, monkeypatch):
+    """--draft-vocabs measures the chosen tree with each size; the fastest is saved with the
+    tree, and load() drafts over it from then on (unless told otherwise)."""
+    target, head = pair
+    cache = tmp_path / "cache"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "t5 t9 t11"}\n{"prompt": "t20 t21"}\n')
+    data = tmp_path / "answers.json"
+    data.write_text(json.dumps([{"conversations": [{"from": "human", "value": "t5"},
+                                                   {"from": "gpt", "value": "t6 t7 t8 t9"}]}]))
+    proc = cli("benchmark", "--model", target, "--eagle", head, "--prompts", prompts,
+               "--max-tokens", 10, "--trees", "4/2/2", "--draft-vocabs", 8, 0,
+               "--draft-vocab-data", data, "--output", tmp_path / "b.json", "--save-tuning",
+               env={"EAGLE_MLX_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert set(report["draft_vocabs"]) == {"8", "0"}
+    chosen = report["choice"]["draft_vocab"]
+    assert chosen == max((8, 0), key=lambda n: report["draft_vocabs"][str(n)]["tokens_per_second"])
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(cache))
+    model, _ = eagle_mlx.load(str(target), eagle=str(head), draft_vocab_data=str(data))
+    assert model.head.draft_vocab_size == (chosen or 64)
+    model, _ = eagle_mlx.load(str(target), eagle=str(head), draft_vocab=0)
+    assert model.head.draft_vocab_size == 64
+
+
 def test_benchmark_reads_the_real_prompt_packages():
     from eagle_mlx.benchmark import load_prompts
 
