@@ -56,6 +56,11 @@ MAX_TREE_NODES = 1024   # the verify pass attends between every pair of tree nod
 MAX_SEED = 2**64 - 1    # MLX's random seed is an unsigned 64-bit integer
 
 
+def static_top_k(tree_choices) -> int:
+    """The fewest children per node a static tree's paths need: its highest rank + 1."""
+    return 1 + max(r for c in tree_choices for r in c)
+
+
 def check_values(max_tokens=256, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
                  total_tokens=None, depth=None, draft_top_k=None, tree_choices=None,
                  max_context=None, name=lambda n: n) -> None:
@@ -91,7 +96,7 @@ def check_values(max_tokens=256, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=N
         need(len(tree_choices) + 1 <= MAX_TREE_NODES, "tree_choices",
              f"at most {MAX_TREE_NODES - 1} paths", f"{len(tree_choices)} paths")
         try:
-            StaticTree(tree_choices, draft_top_k or 1 + max(r for c in tree_choices for r in c))
+            StaticTree(tree_choices, draft_top_k or static_top_k(tree_choices))
         except ValueError as e:
             raise EagleError(f"{name('tree_choices')}: {e}.") from None
 
@@ -120,7 +125,7 @@ def tree_plan(model, total_tokens=None, depth=None, draft_top_k=None, tree_choic
         return None
     tree = model.tree_settings()
     if draft_top_k is None and tree_choices:  # a static tree's ranks set its top-k
-        draft_top_k = max(tree["draft_top_k"], 1 + max(r for c in tree_choices for r in c))
+        draft_top_k = max(tree["draft_top_k"], static_top_k(tree_choices))
     for key, value in (("total_tokens", total_tokens), ("depth", depth),
                        ("draft_top_k", draft_top_k)):
         if value is not None:

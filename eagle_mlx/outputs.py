@@ -42,31 +42,28 @@ def check_out_file(path, flag: str) -> Path:
     return path
 
 
-def atomic_dir(out: Path, write) -> None:
-    """Run write(tmp_dir) and rename tmp_dir to `out`; nothing is left on failure."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+def _replace(out, tmp: Path, write, remove) -> None:
+    """Run write(tmp) and rename tmp to `out`; `remove(tmp)` clears what a failure left."""
     try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
         os.replace(tmp, out)
     except OSError as e:
         raise EagleError(f"could not write {out} ({reason(e)}).") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp)
+
+
+def atomic_dir(out: Path, write) -> None:
+    """Run write(tmp_dir) and rename tmp_dir to `out`; nothing is left on failure."""
+    out = Path(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _replace(out, tmp, write, lambda t: shutil.rmtree(t, ignore_errors=True))
 
 
 def atomic_file(out: Path, write) -> None:
     """Run write(tmp_path) and rename it to `out`; nothing is left on failure."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}{out.suffix}"
-    try:
-        write(tmp)
-        os.replace(tmp, out)
-    except OSError as e:
-        raise EagleError(f"could not write {out} ({reason(e)}).") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    _replace(out, tmp, write, lambda t: t.unlink(missing_ok=True))

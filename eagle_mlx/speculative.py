@@ -86,9 +86,10 @@ class PromptCache:
 
     Pass the same PromptCache to successive `stream_generate` calls (a chat, a server's
     conversation): a prompt that starts with the tokens the caches hold is prefilled
-    only from where it differs. `tokens` are the ids whose keys and values the target
-    cache holds; the head cache holds fewer positions, and `features` are the target
-    features of the positions between the two (the head's pending input).
+    only from where it differs. `tokens` are the ids fed so far, in order (the target cache
+    holds the first `offset` of them: a generation records its list, not a copy, after each
+    step); the head cache holds fewer positions, and `features` are the target features of
+    the positions between the two (the head's pending input).
     """
 
     def __init__(self):
@@ -112,7 +113,7 @@ class PromptCache:
             self.owner = owner
             return 0
         common = 0
-        limit = min(len(self.tokens), len(prompt) - 1)
+        limit = min(self.target[0].offset, len(self.tokens), len(prompt) - 1)
         while common < limit and self.tokens[common] == prompt[common]:
             common += 1
         if self.head is not None and common < self.head.offset:
@@ -145,7 +146,7 @@ def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
         token = int(token)
         cached.append(token)
         # generate_step has fed the token it yields (it computes one step ahead)
-        pc.tokens, pc.valid = cached[: pc.target[0].offset], True
+        pc.tokens, pc.valid = cached, True
         yield Step([token], None)  # nothing drafted
         pc.valid = False
         n += 1
@@ -197,7 +198,7 @@ def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
     cached = list(prompt) + [root_token]  # the root is fed (as tree node 0) next cycle
 
     def settle():  # the caches are consistent again: record them for the next call
-        pc.tokens, pc.features, pc.valid = cached[:n], feats, True
+        pc.tokens, pc.features, pc.valid = cached, feats, True
 
     settle()
     yield Step([root_token], None)
