@@ -105,8 +105,12 @@ def write_ranking():
     target, tokenizer = load_target(str(demo_target()))
     counts = count_tokens(tokenizer, load_conversations(None, COUNT_CONVERSATIONS),
                           target.vocab_size)
-    np.save(RANKING_FILE, ranking(counts).astype(np.uint16))
-    print(f"wrote {RANKING_FILE} ({counts.sum()} answer tokens counted)")
+    order = ranking(counts)
+    np.save(RANKING_FILE, order.astype(np.uint16))
+    covered = ", ".join(f"{n}: {counts[order[:n]].sum() / counts.sum():.1%}"
+                        for n in (4096, 8192, 16384, 32768))
+    print(f"wrote {RANKING_FILE} ({counts.sum()} answer tokens counted; share of them the N "
+          f"most frequent cover: {covered})")
 
 
 def segment_file(work: Path) -> Path:

@@ -126,6 +126,23 @@ CASES = [
      "--output"),
     ("benchmark", BENCH + ["--plot", "{R}/existing"], 1, "--plot"),
     ("benchmark", BENCH + ["--max-tokens", "100"], 2, "no room for a prompt"),
+    ("benchmark", BENCH + ["--draft-vocabs", "8192", "-1"], 2, "--draft-vocabs"),
+    ("server", ["--model", "{T}", "--port", "70000"], 2, "--port"),
+    ("server", ["--model", "{T}", "--max-body-bytes", "10"], 2, "--max-body-bytes"),
+    ("server", ["--model", "{T}", "--max-tokens", "0"], 2, "--max-tokens"),
+    ("server", ["--model", "{T}", "--temp", "nan"], 2, "--temp"),
+    ("server", ["--model", "{T}", "--api-key", " "], 2, "--api-key is empty"),
+    ("server", ["--model", "{T}", "--port", "many"], 2, "--port"),
+    ("regen", ["--model", "{T}", "--data", "{D}", "--out", "{R}/a.jsonl",
+               "--num-conversations", "0"], 2, "--num-conversations"),
+    ("regen", ["--model", "{T}", "--data", "{D}", "--out", "{R}/a.jsonl", "--batch-size", "0"],
+     2, "--batch-size"),
+    ("regen", ["--model", "{T}", "--data", "{D}", "--out", "{R}/a.jsonl", "--skip", "-1"],
+     2, "--skip"),
+    ("regen", ["--model", "{T}", "--data", "{D}", "--out", "{R}/a_file/a.jsonl"], 1, "--out"),
+    ("regen", ["--model", "{T}", "--data", "{D}", "--out", "{R}/a_file"], 1,
+     "was not written by eagle_mlx.regen"),
+    ("regen", ["--model", "{T}", "--data", "{D}", "--out", "{R}/existing"], 1, "is a folder"),
 ]
 
 
