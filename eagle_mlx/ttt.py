@@ -1,0 +1,100 @@
+"""EAGLE-3's training-time test: the head unrolled on its own outputs, as it drafts.
+
+At draft depth j the engine feeds a tree node the head's own output at its parent and
+the token drafted there; the node attends to the real positions (the catch-up keys,
+made from target features) and to its own chain of ancestors. Training reproduces
+exactly that for every position i of a batch at once:
+
+    step 0:  (fc(taps_i), token_{i+1})                 at position i
+    step j:  (out_{j-1,i}, token_{i+1+j})              at position i + j
+
+where step j attends to the step-0 keys of positions <= i and to the keys of steps 1..j
+at position i alone (its ancestors and itself), and predicts the target's next-token
+distribution at position i + 1 + j, restricted to the draft vocabulary. Step j's loss is
+weighted 0.8**j (the official recipe, seven steps).
+"""
+
+from typing import List
+
+import mlx.core as mx
+
+STEP_WEIGHT = 0.8  # the recipe's per-step loss weights: 0.8**j
+
+
+def _heads(x: mx.array, n: int) -> mx.array:
+    B, T, _ = x.shape
+    return x.reshape(B, T, n, -1).transpose(0, 2, 1, 3)
+
+
+def unroll(head, feats: mx.array, step_tokens: List[mx.array], embed) -> List[mx.array]:
+    """The head's output hidden states [B, T, H] at each unroll step.
+
+    feats [B, T, 3 x target width]: the tapped target states of positions 0..T-1;
+    step_tokens[j] [B, T]: the token paired with position i at step j (token i+1+j).
+    """
+    layer = head.midlayer
+    attn = layer.self_attn
+    if "embed_tokens" in head:
+        embed = head.embed_tokens
+    h = head.fc(feats)
+    T = feats.shape[1]
+    rep = attn.n_heads // attn.n_kv_heads
+    causal = mx.triu(mx.full((T, T), -mx.inf, dtype=mx.float32), k=1)
+    keys, values, outs = [], [], []
+    for j, tokens in enumerate(step_tokens):
+        e = embed(tokens).astype(h.dtype)
+        a = mx.concatenate([layer.input_layernorm(e), layer.hidden_norm(h)], axis=-1)
+        q = attn.rope(_heads(attn.q_proj(a), attn.n_heads), offset=j)
+        k = attn.rope(_heads(attn.k_proj(a), attn.n_kv_heads), offset=j)
+        v = _heads(attn.v_proj(a), attn.n_kv_heads)
+        if rep > 1:
+            k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+        keys.append(k)
+        values.append(v)
+        # the real prefix (step-0 keys, causal), then this position's own chain
+        scores = [(q @ keys[0].transpose(0, 1, 3, 2)) * attn.scale + causal]
+        scores += [((q * keys[s]).sum(-1) * attn.scale)[..., None] for s in range(1, j + 1)]
+        w = mx.softmax(mx.concatenate(scores, axis=-1).astype(mx.float32), axis=-1).astype(q.dtype)
+        o = w[..., :T] @ values[0]
+        for s in range(1, j + 1):
+            o = o + w[..., T + s - 1: T + s] * values[s]
+        B = o.shape[0]
+        o = attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, T, -1))
+        h = h + o
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        outs.append(h)
+    return outs
+
+
+def step_tokens(tokens: mx.array, steps: int) -> List[mx.array]:
+    """For a batch of sequences [B, L]: the tokens paired with positions 0..L-2 at each
+    step (token i+1+j, zero past the end, where the loss mask is zero too)."""
+    B, L = tokens.shape
+    padded = mx.concatenate([tokens[:, 1:], mx.zeros((B, steps), dtype=tokens.dtype)], axis=1)
+    return [padded[:, j: j + L - 1] for j in range(steps)]
+
+
+def unrolled_loss(head, feats, toks, embed, target_p, keep, sel, T, denom):
+    """The weighted sum of step losses, each step's loss and correct-prediction count.
+
+    target_p [n, N]: the target's distribution over the draft vocabulary at the `sel`
+    rows (flat b*T + a: absolute position a+1, counted by the loss mask at a); keep [n]:
+    whether the target's own top token is in the draft vocabulary (the recipe's t2d
+    mask). Step j scores row a with its output at position a - j (when a - j >= 0).
+    """
+    outs = unroll(head, feats, toks, embed)
+    total, losses, correct, counts = 0.0, [], [], []
+    pos = sel % T
+    top = target_p.argmax(-1)
+    for j, out in enumerate(outs):
+        live = pos >= j
+        rows = out.reshape(-1, out.shape[-1])[mx.maximum(sel - j, 0)]
+        logits = head.lm_head(head.norm(rows)).astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        w = (live & keep).astype(mx.float32)
+        loss = -(w * (target_p * logp).sum(-1)).sum() / denom
+        total = total + STEP_WEIGHT ** j * loss
+        losses.append(loss)
+        correct.append(((logits.argmax(-1) == top) & live & keep).sum())
+        counts.append(live.sum())
+    return total, losses, correct, counts
