@@ -607,6 +607,7 @@ def test_greedy_with_a_reduced_draft_vocab_equals_plain(random_pairs, tmp_path, 
                                        total_tokens=4))
 
 
+@pytest.mark.parametrize("small_vocab_pair", ["llama"], indirect=True)  # model-independent
 def test_sampling_with_a_reduced_draft_vocab_is_lossless(small_vocab_pair):
     from eagle_mlx.draft_vocab import draft_vocab
 

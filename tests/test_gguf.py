@@ -307,13 +307,18 @@ def test_sentencepiece_vocabulary_matches_sentencepiece_and_transformers(tmp_pat
 
 # ------------------------------------------------------------------------- bad files
 
-def _run_generate(model):
-    return subprocess.run([sys.executable, "-m", "eagle_mlx.generate", "--model", str(model),
-                           "--prompt", "hi", "--max-tokens", "2"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+def _run_generate(model, capsys):
+    """`python -m eagle_mlx.generate --model FILE`, in this process (its exit code, stderr)."""
+    from types import SimpleNamespace
+
+    from eagle_mlx.generate import main
+
+    capsys.readouterr()
+    code = main(["--model", str(model), "--prompt", "hi", "--max-tokens", "2"])
+    return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
 
 
-def test_bad_gguf_files_end_in_one_sentence(tmp_path, hf_folders, gpt2_vocab):
+def test_bad_gguf_files_end_in_one_sentence(tmp_path, hf_folders, gpt2_vocab, capsys):
     good = write_gguf(tmp_path / "good.gguf", hf_folders["untied"], "gpt2", gpt2_vocab=gpt2_vocab)
     data = good.read_bytes()
     cases = {}
@@ -339,8 +344,9 @@ def test_bad_gguf_files_end_in_one_sentence(tmp_path, hf_folders, gpt2_vocab):
         (tmp_path / "two" / n).write_bytes(data)
     cases["two"] = "holds 2 .gguf files"
     for name, expected in cases.items():
-        r = _run_generate(tmp_path / name)
+        r = _run_generate(tmp_path / name, capsys)
         assert r.returncode == 1, (name, r.stderr)
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert expected in r.stderr, (name, r.stderr)
-    assert "type Q5_0" in _run_generate(tmp_path / "q5.gguf").stderr
+        if name == "q5.gguf":
+            assert "type Q5_0" in r.stderr
