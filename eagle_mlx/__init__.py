@@ -8,11 +8,21 @@
 import sys as _sys
 
 _interrupted = False
+# Until a tool has loaded what it works on there is nothing to save, and a KeyboardInterrupt
+# raised inside an import's or a finaliser's callback would be swallowed ("Exception
+# ignored in ...") and the tool would go on: Ctrl-C then ends the process at once.
+# `cli.started()` turns this off where a tool's own work begins.
+_exit_at_once = True
 
 
 def _on_sigint(signum, frame):
     global _interrupted
     _interrupted = True
+    if _exit_at_once:
+        import os
+
+        os.write(2, b"interrupted\n")
+        os._exit(130)
     raise KeyboardInterrupt
 
 

@@ -34,6 +34,15 @@ def run_cli(main, argv=None) -> int:
         return 130
 
 
+def started() -> None:
+    """The tool's own work begins: from here Ctrl-C raises KeyboardInterrupt (a reply
+    stops, a training step finishes, partial outputs are cleaned up) instead of ending
+    the process at once, as it does while modules and models load."""
+    import eagle_mlx
+
+    eagle_mlx._exit_at_once = False
+
+
 NAMED_TREES = {"mc_sim_7b_63": MC_SIM_7B_63}
 
 
@@ -158,6 +167,7 @@ def load_from_args(args):
             if str(e).startswith("draft_vocab"):
                 raise UsageError("--" + str(e).replace("_", "-", 1)) from None
             raise
+    started()
     return model, tokenizer
 
 

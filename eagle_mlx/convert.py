@@ -96,6 +96,9 @@ def _main(argv) -> int:
         target, tokenizer = load_target(args.model, lazy=True, dtype="stored")
     if args.eagle:
         head = build_head(config, weights, path, target)
+    from .cli import started
+
+    started()  # writing: Ctrl-C now cleans up what is half-written
     if args.model:
         q_bits = args.q_bits if args.quantize else None
         if str(target.path).lower().endswith(".gguf"):

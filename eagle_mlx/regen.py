@@ -14,7 +14,7 @@ to continue where it stopped.
 import json
 import sys
 
-from .cli import ArgumentParser, UsageError, add_dtype_arg, run_cli
+from .cli import ArgumentParser, UsageError, add_dtype_arg, run_cli, started
 from .errors import EagleError
 
 
@@ -72,6 +72,7 @@ def _main(argv) -> int:
         raise EagleError(f"the tokenizer of {args.model} has no chat template, which renders the "
                          "prompts.")
     conversations = load_conversations(args.data, end)
+    started()
     todo = []
     for index in range(start, min(end, len(conversations))):
         messages = conversations[index]

@@ -38,7 +38,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .checkpoint import head_config, save_head
-from .cli import ArgumentParser, UsageError, run_cli
+from .cli import ArgumentParser, UsageError, run_cli, started
 from .data import load_conversations, render
 from .errors import EagleError
 from .outputs import atomic_dir, atomic_file, check_new_dir
@@ -606,6 +606,7 @@ def _main(argv):
                              f"{target.num_layers}.")
     conversations = load_conversations(args.data, args.num_conversations)
     trainer = TRAINERS[args.kind](target, tokenizer, conversations, args)
+    started()
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
