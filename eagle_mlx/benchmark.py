@@ -203,7 +203,18 @@ def run_one(model, tokenizer, ids, max_tokens, temp, seed, tree=None, timer=None
         tokens += r.tokens
     return {"tokens": tokens, "generation_tokens": r.generation_tokens,
             "tokens_per_second": r.generation_tps, "tau": r.mean_accept_length if speculate else 1.0,
-            "target_forwards": r.target_forwards}
+            "target_forwards": r.target_forwards,
+            **({"accept_lengths": r.accept_lengths} if speculate else {})}
+
+
+def depth_acceptance(accept_lengths, depth: int):
+    """Of the cycles whose accepted path reached depth d-1, the share that reached depth d
+    (d = 1..depth): how well the draft holds up deeper in the tree."""
+    rates = []
+    for d in range(1, depth + 1):
+        reached = sum(a >= d - 1 for a in accept_lengths)
+        rates.append(sum(a >= d for a in accept_lengths) / reached if reached else None)
+    return rates
 
 
 def choose_draft_vocab(model, tokenizer, encoded, args, tree):
@@ -409,6 +420,9 @@ def _main(argv):
                                                      if r["source"] == s)
                                   for s in sorted({r["source"] for r in per_prompt})},
                 "identical_to_plain": all(r.get("identical_to_plain", True) for r in runs),
+                "depth_acceptance": depth_acceptance(
+                    [a for r in runs for a in r["accept_lengths"]],
+                    tree["depth"]),
             })
         split = {k: statistics.mean(r["cycle_split"][k] for r in per_prompt)
                  for k in per_prompt[0]["cycle_split"]}
@@ -424,6 +438,13 @@ def _main(argv):
             s["expected_speedup"] = expected_tokens_per_second(
                 s["tree"], s["tau"], verify, draft, calibration) * t1
         report["trees"][str(temp)] = summary
+        for row in summary:
+            t = row["tree"]
+            print(f"temp {temp}, tree {t['total_tokens']}/{t['depth']}/{t['draft_top_k']}: tau "
+                  f"{row['tau']:.2f}, {row['tokens_per_second']:.1f} tok/s (plain {plain_tps:.1f}); "
+                  "acceptance at depth 1..: " + ", ".join(
+                      "-" if a is None else f"{a:.2f}" for a in row["depth_acceptance"]),
+                  file=sys.stderr)
         report["overall"][str(temp)] = {"plain_tokens_per_second": plain_tps, "cycle_split": split,
                                         "cycle_seconds": per_cycle, "calibration": calibration}
 
