@@ -32,6 +32,14 @@ def run_cli(main, argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        from .distributed import peer_lost
+
+        sentence = peer_lost(e)
+        if sentence is None:
+            raise
+        print(f"error: {sentence}", file=sys.stderr)
+        return 1
 
 
 def started() -> None:
@@ -142,6 +150,8 @@ def load_from_args(args):
 
     from .demo import DEMO_DRAFT_VOCAB
 
+    from . import distributed
+
     model_path, eagle_path = args.model, args.eagle
     draft_vocab = getattr(args, "draft_vocab", None)
     if draft_vocab is not None and draft_vocab < 0:
@@ -152,9 +162,11 @@ def load_from_args(args):
         if draft_vocab is None and eagle_path is None:
             draft_vocab = DEMO_DRAFT_VOCAB
         eagle_path = eagle_path or demo_head
+    group = distributed.group()  # under mlx.launch: the target sharded over the ranks
+    distributed.silence_other_ranks(group)
     # an explicit --draft-vocab 0 also overrides the benchmark's tuned choice
     model, tokenizer = load(model_path, eagle=eagle_path, dtype=args.dtype,
-                            draft_vocab=0 if draft_vocab == 0 else None)
+                            draft_vocab=0 if draft_vocab == 0 else None, group=group)
     if draft_vocab and model.head is not None:
         from .model import attach_draft_vocab
 

@@ -210,6 +210,11 @@ def stream_generate(
            f"the prompt has {len(ids)} tokens but the model's context is {max_context} tokens.")
     _check(max(ids) < target.vocab_size and min(ids) >= 0,
            f"the prompt holds token ids outside the model's vocabulary of {target.vocab_size}.")
+    group = getattr(model, "group", None)
+    if seed is None and group is not None and temp > 0:
+        from .distributed import shared_seed
+
+        seed = shared_seed(group)  # every rank must draw the same tokens
     if seed is not None:
         mx.random.seed(seed)
     sampling = SamplingParams(temp, top_p, top_k, min_p)
@@ -221,7 +226,22 @@ def stream_generate(
     from mlx_lm.generate import wired_limit
 
     with wired_limit(target.model, [generation_stream]):
-        yield from _responses(tokenizer, ids, steps, max_tokens)
+        try:
+            yield from _responses(tokenizer, ids, steps, max_tokens)
+        finally:
+            if group is not None:
+                _settle(steps)
+
+
+def _settle(steps) -> None:
+    """Finish what a generation left queued before anything else communicates: mlx-lm's
+    plain decoding evaluates one step ahead on its own stream, and collectives queued on
+    two streams could pair up differently on different ranks."""
+    from mlx_lm.generate import generation_stream as lm_stream
+
+    steps.close()
+    mx.synchronize(lm_stream)
+    mx.synchronize(generation_stream)
 
 
 def _responses(tokenizer, ids, steps, max_tokens) -> Iterator[GenerationResponse]:

@@ -22,6 +22,7 @@ class EagleModel:
     head: Optional[object] = None
     head_path: Optional[str] = None
     tuning: Optional[dict] = None  # the benchmark's choice for this head, target and machine
+    group: Optional[object] = None  # the mx.distributed group the target is sharded over
 
     @property
     def speculates(self) -> bool:
@@ -37,7 +38,7 @@ class EagleModel:
 
 def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
          dtype: Optional[str] = None, draft_vocab: Optional[int] = None,
-         draft_vocab_data: Optional[str] = None):
+         draft_vocab_data: Optional[str] = None, group=None):
     """Load a target (folder, Hugging Face repo id or GGUF file) and, optionally, its EAGLE head.
 
     `eagle` may be a converted MLX head folder or a published PyTorch one (converted in
@@ -47,12 +48,17 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     (ShareGPT, or the ShareGPT-style file `draft_vocab_data`, counted with the target's
     tokenizer) instead of the whole vocabulary; 0: the whole vocabulary; None: the
     benchmark's choice for this head, target and machine if it made one, else the whole.
+    group: an `mx.distributed` group (`mx.distributed.init()` under `mlx.launch`): the
+    target is sharded over its ranks (tensor parallel), the head runs whole on each; every
+    rank then runs the same `stream_generate` calls.
     Returns (EagleModel, tokenizer); with eagle=None decoding is plain.
     """
     convert_to = resolve_dtype(dtype)
-    t, tokenizer = load_target(target, lazy=lazy, dtype=dtype)
+    if group is not None and group.size() < 2:
+        group = None
+    t, tokenizer = load_target(target, lazy=lazy, dtype=dtype, group=group)
     if eagle is None:
-        return EagleModel(t), tokenizer
+        return EagleModel(t, group=group), tokenizer
     head = load_head(eagle, t)
     if convert_to is not None:
         convert_dtype(head, convert_to)
@@ -64,7 +70,7 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
         draft_vocab = tuning["draft_vocab"]  # the benchmark's choice on this machine
     if draft_vocab:
         attach_draft_vocab(head, t, tokenizer, draft_vocab, draft_vocab_data)
-    return EagleModel(t, head, str(path), tuning), tokenizer
+    return EagleModel(t, head, str(path), tuning, group), tokenizer
 
 
 def attach_draft_vocab(head, target, tokenizer, n, data=None) -> None:

@@ -202,12 +202,15 @@ def convert_dtype(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
     return model
 
 
-def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = None):
+def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = None,
+                group=None):
     """Load a target (see SUPPORTED_MODEL_TYPES) and its tokenizer from a folder, a Hub repo id or a
     GGUF file (or a folder holding one).
 
     dtype: "auto" (None), "stored", "float32", "float16" or "bfloat16"; see
-    `resolve_dtype`. Returns (Target, mlx-lm TokenizerWrapper).
+    `resolve_dtype`. group: an `mx.distributed` group of more than one rank: the target is
+    sharded over it (tensor parallel) and this rank materialises only its shard.
+    Returns (Target, mlx-lm TokenizerWrapper).
     """
     if not isinstance(path_or_repo, (str, Path)):
         raise EagleError(f"the target must be a folder, a Hugging Face repo id or a GGUF file, "
@@ -222,11 +225,15 @@ def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = No
         from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # not a repo's original/ checkpoints
 
         path = resolve(path_or_repo, "model", allow_patterns=DEFAULT_ALLOW_PATTERNS)
-        model, config, tokenizer = _load_mlx_lm(path, lazy)
+        model, config, tokenizer = _load_mlx_lm(path, lazy or group is not None)
     if convert_to is not None:
         model = convert_dtype(model, convert_to)
-        if not lazy:
-            mx.eval(model.parameters())
+    if group is not None:
+        from .distributed import shard
+
+        shard(model, config, group, path)
+    if not lazy:
+        mx.eval(model.parameters())
     return Target(model, config, path), tokenizer
 
 

@@ -1,0 +1,90 @@
+"""The target sharded across machines (tensor parallel), with `mx.distributed`.
+
+Launched with MLX's own launcher, every rank runs the same tool:
+
+    mlx.launch --hosts mac1,mac2 --backend ring -- \\
+        python -m eagle_mlx.generate --model ... --eagle ... --prompt "..."
+
+Each rank loads only its shard of the target through mlx-lm's `shard()` (attention heads
+and MLP columns split, "all-to-sharded" in and "sharded-to-all" out: two all-reduces per
+decoder layer per forward), so the tree forward's hidden states, logits and features are
+the same on every rank. The small head runs whole on every rank from those identical
+inputs and drafts the same tree without communicating; sampling draws the same random
+numbers everywhere (one shared seed). Only rank 0 writes output.
+"""
+
+import os
+import signal
+import sys
+from typing import Optional
+
+import mlx.core as mx
+
+from .errors import EagleError
+
+# environment variables that mean "started by a distributed launcher"
+LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MLX_JACCL_COORDINATOR")
+
+
+def group() -> Optional[mx.distributed.Group]:
+    """The group of this run when a launcher started it with more than one rank, else None."""
+    if not any(v in os.environ for v in LAUNCH_VARS):
+        return None
+    try:
+        g = mx.distributed.init()
+    except Exception as e:  # a hostfile that does not work, a port in use
+        raise EagleError(f"the distributed run could not start: {e}") from None
+    return g if g.size() > 1 else None
+
+
+def rank(g: Optional[mx.distributed.Group]) -> int:
+    return g.rank() if g is not None else 0
+
+
+def shard(model, config: dict, g: mx.distributed.Group, path) -> None:
+    """Split the target's decoder layers across the group (mlx-lm's own sharding)."""
+    n = g.size()
+    if not hasattr(model, "shard"):
+        raise EagleError(f"mlx-lm cannot shard {config.get('model_type')} models ({path}) "
+                         "across machines; it shards Llama, Qwen2, Qwen3 and Qwen3-MoE.")
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    inter = config.get("intermediate_size") or 0
+    for what, v in (("attention heads", heads), ("key/value heads", kv),
+                    ("MLP columns", inter)):
+        if v % n:
+            raise EagleError(f"{path} has {v} {what}, which do not split evenly over {n} ranks.")
+    model.shard(g)
+
+
+def shared_seed(g: mx.distributed.Group) -> int:
+    """A fresh random seed, the same on every rank (rank 0 draws it)."""
+    mine = int.from_bytes(os.urandom(4), "little") >> 1 if g.rank() == 0 else 0
+    return int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=g).item())
+
+
+def silence_other_ranks(g: Optional[mx.distributed.Group]) -> None:
+    """Only rank 0 writes output; every rank ends with one sentence when the launcher stops
+    it (it does when another rank ends)."""
+    if g is None:
+        return
+    if g.rank() != 0:  # the descriptor itself: whatever holds a reference to stdout
+        sys.stdout.flush()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+
+    def on_term(signum, frame):
+        os.write(2, f"error: rank {g.rank()} stopped: another rank of the distributed run "
+                    "ended, or the run was interrupted.\n".encode())
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def peer_lost(e: BaseException) -> Optional[str]:
+    """The sentence for a communication failure (a rank that died or disappeared)."""
+    text = str(e)
+    if isinstance(e, RuntimeError) and (text.startswith("[ring]") or text.startswith("[mpi]")
+                                        or text.startswith("[jaccl]")):
+        return ("another rank of the distributed run stopped or became unreachable "
+                f"({text.split('] ', 1)[-1]}).")
+    return None

@@ -1,0 +1,43 @@
+"""Run under `mlx.launch`: generate with the target sharded over the ranks and write what
+this rank produced to OUT/rank<r>.json (tests/test_distributed.py compares the ranks with
+each other and with one process)."""
+
+import json
+import sys
+
+import mlx.core as mx
+
+import eagle_mlx
+from eagle_mlx import distributed
+
+# (sampling, speculative or plain): greedy both ways, sampling with a seed
+CASES = [(dict(temp=0.0), True), (dict(temp=0.0), False), (dict(temp=0.7, top_k=5, seed=11), True)]
+PROMPT, MAX_TOKENS = [5, 9, 11, 20], 24
+
+
+def run(pairs, out):
+    group = distributed.group()
+    assert group is not None and group.size() == 2
+    results = {}
+    for name, (target, head) in pairs.items():
+        model, tok = eagle_mlx.load(target, eagle=head, group=group)
+        for i, (case, speculate) in enumerate(CASES):
+            rs = eagle_mlx.stream_generate(model, tok, PROMPT, max_tokens=MAX_TOKENS,
+                                           speculate=speculate, **case)
+            results[f"{name}/{i}"] = [t for r in rs for t in r.tokens]
+        # a sampled generation without a seed: the ranks agree on one
+        results[f"{name}/unseeded"] = [t for r in eagle_mlx.stream_generate(
+            model, tok, [7, 8], max_tokens=20, temp=1.0) for t in r.tokens]
+    with open(f"{out}/rank{group.rank()}.json", "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    out, *rest = sys.argv[1:]
+    cli = rest.index("--cli")
+    pairs = rest[:cli]
+    run({pairs[i]: (pairs[i + 1], pairs[i + 2]) for i in range(0, len(pairs), 3)}, out)
+    # then the command-line tool, as `python -m eagle_mlx.generate ...` runs under the launcher
+    from eagle_mlx.generate import main
+
+    sys.exit(main(rest[cli + 1:]))

@@ -1,0 +1,179 @@
+"""The target sharded over 2 local processes (ring backend, launched with MLX's launcher):
+the same tokens as one process, ranks that never diverge, a lost rank ends in a sentence."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import eagle_mlx
+from tiny import ROOT, make_eagle_head, make_hf_model
+
+sys.path.insert(0, str(ROOT / "tests"))
+from dist_worker import CASES, MAX_TOKENS, PROMPT  # noqa: E402
+
+LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
+
+
+def free_port() -> int:
+    """A base port with the next one free too (the ring backend listens on one per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65000:
+            with socket.socket() as s2:
+                try:
+                    s2.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
+    raise RuntimeError("no free port pair")
+
+
+def launch(command, timeout=300):
+    return subprocess.run([sys.executable, "-c", LAUNCH, "-n", "2", "--backend", "ring",
+                           "--starting-port", str(free_port()), "--", sys.executable, *command],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    llama = make_hf_model(root / "llama", "llama", seed=5, num_hidden_layers=8,
+                          num_key_value_heads=2, vocab_size=64, scale=4.0,
+                          max_position_embeddings=4096)
+    qwen3 = make_hf_model(root / "qwen3", "qwen3", seed=6, num_hidden_layers=8,
+                          num_key_value_heads=2, vocab_size=64, scale=4.0)
+    # a copy that never stops by itself (no end-of-sequence token): the lost-rank tests
+    # stop it from outside
+    endless = root / "endless"
+    shutil.copytree(llama, endless)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((endless / name).read_text())
+        config["eos_token_id"] = []
+        (endless / name).write_text(json.dumps(config))
+    return root, {
+        "endless": (endless, None),
+        "llama-eagle1": (llama, make_eagle_head(root / "h1", llama, "eagle1", seed=1)),
+        "qwen3-eagle3": (qwen3, make_eagle_head(root / "h3", qwen3, "eagle3", seed=2,
+                                                draft_vocab_size=40)),
+    }
+
+
+def test_two_ranks_generate_what_one_process_generates(pairs, tmp_path):
+    """The API with a group (EAGLE-1 on Llama, EAGLE-3 on Qwen3; greedy, seeded and unseeded
+    sampling, plain decoding), then `eagle_mlx.generate`'s command line, on 2 ranks."""
+    root, named = pairs
+    args = [a for name, (t, h) in named.items() if h for a in (name, str(t), str(h))]
+    target, head = named["llama-eagle1"]
+    cli = ["--model", str(target), "--eagle", str(head), "--prompt", "t5 t9 t11", "--max-tokens", "24"]
+    two = launch([str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), *args, "--cli", *cli])
+    assert two.returncode == 0, two.stderr
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]  # the ranks never diverge (seeded or not)
+    for name, (target, head) in named.items():
+        if head is None:
+            continue
+        model, tok = eagle_mlx.load(str(target), eagle=str(head))
+        for i, (case, speculate) in enumerate(CASES):
+            one = [t for r in eagle_mlx.stream_generate(
+                model, tok, PROMPT, max_tokens=MAX_TOKENS, speculate=speculate, **case)
+                for t in r.tokens]
+            assert ranks[0][f"{name}/{i}"] == one, (name, case, speculate)
+        assert len(ranks[0][f"{name}/unseeded"]) > 0
+    one = subprocess.run([sys.executable, "-m", "eagle_mlx.generate", *cli], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert one.returncode == 0, one.stderr
+    # rank 0 alone writes: the output once, the same text as one process
+    assert two.stdout.count("==========") == one.stdout.count("==========") and \
+        two.stdout.count("Prompt:") == 1, two.stdout
+    assert two.stdout.split("==========")[1] == one.stdout.split("==========")[1]
+
+
+def test_a_lost_rank_ends_the_other_in_one_sentence(pairs, tmp_path):
+    root, named = pairs
+    target, _ = named["endless"]
+    head = named["llama-eagle1"][1]
+    port = free_port()
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    procs = []
+    for r in (0, 1):
+        env = dict(os.environ, MLX_HOSTFILE=str(hosts), MLX_RANK=str(r))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "eagle_mlx.generate", "--model", str(target), "--eagle",
+             str(head), "--prompt", "t5 t9 t11", "--max-tokens", "3000", "--ignore-chat-template"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    first = procs[0].stdout.readline()  # rank 0 starts writing: both are generating
+    assert first.startswith("=========="), procs[0].stderr.read()
+    time.sleep(0.5)
+    procs[1].kill()
+    start = time.time()
+    try:
+        out, err = procs[0].communicate(timeout=60)
+    finally:
+        procs[0].kill()
+    assert time.time() - start < 30
+    assert procs[0].returncode == 1, (out[-300:], err, procs[1].communicate()[1][-500:])
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err
+    assert lines[-1].startswith("error: another rank of the distributed run stopped"), err
+
+
+def test_a_rank_stopped_by_the_launcher_says_why(pairs, tmp_path):
+    """mlx.launch ends the other ranks with SIGTERM when one rank ends."""
+    root, named = pairs
+    target, _ = named["endless"]
+    head = named["llama-eagle1"][1]
+    port = free_port()
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    procs = []
+    for r in (0, 1):
+        env = dict(os.environ, MLX_HOSTFILE=str(hosts), MLX_RANK=str(r))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "eagle_mlx.generate", "--model", str(target), "--eagle",
+             str(head), "--prompt", "t5", "--max-tokens", "3000", "--ignore-chat-template"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    assert procs[0].stdout.readline().startswith("==========")
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for r, p in enumerate(procs):
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 1, err
+        assert err.strip().splitlines()[-1] == (
+            f"error: rank {r} stopped: another rank of the distributed run ended, or the run "
+            "was interrupted."), err
+
+
+def test_targets_mlx_lm_cannot_shard_are_refused(tiny_dir):
+    import mlx.core as mx
+
+    from eagle_mlx.distributed import shard
+    from eagle_mlx.target import load_target, read_config
+
+    class Two:  # a group of two, for the checks that come before any communication
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    path = tiny_dir("mixtral")
+    t, _ = load_target(str(path), lazy=True)
+    with pytest.raises(eagle_mlx.EagleError, match="mlx-lm cannot shard mixtral models"):
+        shard(t.model, read_config(path), Two(), path)
+    path = tiny_dir("llama2_mha")
+    t, _ = load_target(str(path), lazy=True)
+    config = dict(read_config(path), num_attention_heads=3)
+    with pytest.raises(eagle_mlx.EagleError, match="3 attention heads, which do not split evenly"):
+        shard(t.model, config, Two(), path)
+    assert mx.array(np.zeros(1)).size == 1
