@@ -338,9 +338,14 @@ def _main(argv):
     if args.draft_vocabs is not None and any(n < 0 for n in args.draft_vocabs):
         raise UsageError(f"--draft-vocabs must be 0 (the whole vocabulary) or positive sizes "
                          f"(got {args.draft_vocabs}).")
-    output = check_out_file(args.output, "--output")
-    plot_path = check_out_file(args.plot if args.plot else output.with_suffix(".png"),
-                               "--plot")
+    from .distributed import group, rank
+
+    writes = rank(group()) == 0  # under mlx.launch every rank measures, rank 0 writes
+    output, plot_path = Path(args.output), Path(args.plot) if args.plot else None
+    if writes:
+        output = check_out_file(args.output, "--output")
+        plot_path = check_out_file(args.plot if args.plot else output.with_suffix(".png"),
+                                   "--plot")
     if importlib.util.find_spec("matplotlib") is None:  # checked before hours of measuring
         raise EagleError("the benchmark draws its plot with matplotlib, which is not installed; "
                          "pip install matplotlib.")
@@ -470,6 +475,8 @@ def _main(argv):
               f"{best['tree']['total_tokens']}) is expected at {best['expected_speedup']:.2f}x and "
               f"measured at {best['measured_speedup']:.2f}x of plain decoding, so plain decoding "
               "is the choice.")
+    if not writes:
+        return 0
     atomic_file(output, lambda t: t.write_text(json.dumps(report, indent=2) + "\n"))
     atomic_file(plot_path, lambda t: plot(report, t))
     print(f"wrote {output} and {plot_path}")

@@ -99,28 +99,36 @@ class Chat:
         print(f"session: {s['replies']} replies, {s['tokens']} tokens, "
               f"{s['forwards']} target forwards, {len(self.turns) // 2} turns in history")
 
+    def read(self, stream, interactive: bool):
+        """The next line typed: text, "" for nothing to act on, None at the end of input."""
+        try:
+            if interactive:
+                line = input(">> ")
+                line.encode("utf-8")  # a terminal can deliver undecodable bytes
+                return line
+            raw = stream.buffer.readline()
+            return raw.decode("utf-8").rstrip("\r\n") if raw else None
+        except EOFError:
+            return None
+        except (UnicodeDecodeError, UnicodeEncodeError):
+            print("error: that line is not valid UTF-8 text; it was ignored.", file=sys.stderr)
+            return ""
+        except KeyboardInterrupt:
+            print("\n(/quit or Ctrl-D to leave)")
+            return ""
+
     def run(self, stream) -> None:
-        interactive = stream.isatty()
+        from .distributed import rank, share_text
+
+        group = self.model.group  # under mlx.launch rank 0 reads, every rank replies
+        interactive = stream.isatty() and rank(group) == 0
         if interactive:
             print(HELP)
         while True:
-            try:
-                if interactive:
-                    line = input(">> ")
-                    line.encode("utf-8")  # a terminal can deliver undecodable bytes
-                else:
-                    raw = stream.buffer.readline()
-                    if not raw:
-                        break
-                    line = raw.decode("utf-8").rstrip("\r\n")
-            except EOFError:
+            line = self.read(stream, interactive) if rank(group) == 0 else None
+            line = share_text(group, line)
+            if line is None:
                 break
-            except (UnicodeDecodeError, UnicodeEncodeError):
-                print("error: that line is not valid UTF-8 text; it was ignored.", file=sys.stderr)
-                continue
-            except KeyboardInterrupt:
-                print("\n(/quit or Ctrl-D to leave)")
-                continue
             command = line.strip()
             if not command:
                 continue

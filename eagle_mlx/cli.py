@@ -27,7 +27,9 @@ def run_cli(main, argv=None) -> int:
     try:
         return main(sys.argv[1:] if argv is None else argv) or 0
     except EagleError as e:
-        print(f"error: {e}", file=sys.stderr)
+        from .distributed import errors
+
+        print(f"error: {e}", file=errors())
         return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -38,7 +40,9 @@ def run_cli(main, argv=None) -> int:
         sentence = peer_lost(e)
         if sentence is None:
             raise
-        print(f"error: {sentence}", file=sys.stderr)
+        from .distributed import errors
+
+        print(f"error: {sentence}", file=errors())
         return 1
 
 

@@ -26,15 +26,21 @@ from .errors import EagleError
 LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MLX_JACCL_COORDINATOR")
 
 
+_group = []
+
+
 def group() -> Optional[mx.distributed.Group]:
     """The group of this run when a launcher started it with more than one rank, else None."""
+    if _group:
+        return _group[0]
     if not any(v in os.environ for v in LAUNCH_VARS):
         return None
     try:
         g = mx.distributed.init()
     except Exception as e:  # a hostfile that does not work, a port in use
         raise EagleError(f"the distributed run could not start: {e}") from None
-    return g if g.size() > 1 else None
+    _group.append(g if g.size() > 1 else None)
+    return _group[0]
 
 
 def rank(g: Optional[mx.distributed.Group]) -> int:
@@ -63,18 +69,31 @@ def shared_seed(g: mx.distributed.Group) -> int:
     return int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=g).item())
 
 
+_errors = None  # where the other ranks still write their errors
+
+
+def errors():
+    """The stream for error sentences (on ranks other than 0 the rest of stderr is muted)."""
+    return _errors or sys.stderr
+
+
 def silence_other_ranks(g: Optional[mx.distributed.Group]) -> None:
-    """Only rank 0 writes output; every rank ends with one sentence when the launcher stops
-    it (it does when another rank ends)."""
+    """Only rank 0 writes output (other ranks: only their errors); every rank ends with
+    one sentence when the launcher stops it (it does when another rank ends)."""
+    global _errors
     if g is None:
         return
-    if g.rank() != 0:  # the descriptor itself: whatever holds a reference to stdout
+    if g.rank() != 0:  # the descriptors themselves: whatever holds a reference to them
         sys.stdout.flush()
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        sys.stderr.flush()
+        _errors = os.fdopen(os.dup(2), "w", buffering=1)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
 
     def on_term(signum, frame):
-        os.write(2, f"error: rank {g.rank()} stopped: another rank of the distributed run "
-                    "ended, or the run was interrupted.\n".encode())
+        os.write(errors().fileno(), f"error: rank {g.rank()} stopped: another rank of the "
+                 "distributed run ended, or the run was interrupted.\n".encode())
         os._exit(1)
 
     signal.signal(signal.SIGTERM, on_term)
@@ -88,3 +107,30 @@ def peer_lost(e: BaseException) -> Optional[str]:
         return ("another rank of the distributed run stopped or became unreachable "
                 f"({text.split('] ', 1)[-1]}).")
     return None
+
+
+def share_text(g, text: Optional[str]) -> Optional[str]:
+    """Rank 0's text (None: the end of input) on every rank."""
+    import numpy as np
+
+    if g is None:
+        return text
+    data = (text or "").encode("utf-8") if g.rank() == 0 else b""
+    head = [len(data), int(text is None)] if g.rank() == 0 else [0, 0]
+    n, end = mx.distributed.all_sum(mx.array(head, dtype=mx.int32), group=g).tolist()
+    if end:
+        return None
+    if n == 0:
+        return ""
+    buf = np.frombuffer(data, dtype=np.uint8).astype(np.int32) if g.rank() == 0 \
+        else np.zeros(n, dtype=np.int32)
+    out = mx.distributed.all_sum(mx.array(buf), group=g)
+    return bytes(np.array(out).astype(np.uint8)).decode("utf-8")
+
+
+def share_flag(g, flag: bool) -> bool:
+    """Rank 0's yes or no on every rank (whether a generation stops here)."""
+    if g is None:
+        return flag
+    mine = int(flag) if g.rank() == 0 else 0
+    return bool(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=g).item())

@@ -87,6 +87,8 @@ class Engine:
     """The model, its single worker thread and the prompt cache it keeps."""
 
     def __init__(self, model, tokenizer, model_id: str, log=None):
+        """Under mlx.launch (model.group set) this is rank 0: every request is sent to the
+        other ranks (`follow`), which run the same generation on their shards."""
         import mlx.core as mx
 
         from .speculative import PromptCache
@@ -115,9 +117,12 @@ class Engine:
         self.worker.join(timeout)
 
     def _work(self):
+        from .distributed import share_text
+
         while True:
             job = self.current = self.jobs.get()
             if job is None:
+                share_text(self.model.group, None)  # the other ranks stop too
                 return
             if job.cancelled.is_set() or self.stopping:
                 job.events.put(("error", "the server is shutting down."))
@@ -131,13 +136,16 @@ class Engine:
                 job.events.put(("error", "generation failed inside the server."))
 
     def _run(self, job: Job):
+        from .distributed import share_flag, share_text
         from .generation import stream_generate
 
+        group = self.model.group
+        share_text(group, json.dumps({"ids": job.ids, "settings": job.settings}))
         held, finish, last, by_string = "", None, None, False
         for r in stream_generate(self.model, self.tokenizer, job.ids, prompt_cache=self.cache,
                                  **job.settings):
             last = r
-            if job.cancelled.is_set():
+            if share_flag(group, job.cancelled.is_set()):  # the other ranks stop with it
                 finish = "cancelled"
                 break
             held += r.text
@@ -150,7 +158,7 @@ class Engine:
                 finish = r.finish_reason
             if emit:
                 job.events.put(("text", emit))
-            if cut is not None or r.finish_reason is not None:
+            if share_flag(group, cut is not None or r.finish_reason is not None):
                 break
         if held and not by_string and finish != "cancelled":  # a stop string's start that ended it
             job.events.put(("text", held))
@@ -165,6 +173,30 @@ class Engine:
         }
         job.events.put(("done", "stop" if finish in ("stop", "cancelled") else finish or "length",
                         usage))
+
+
+def follow(model, tokenizer) -> None:
+    """Ranks other than 0: run every generation rank 0's server runs, on this rank's shard,
+    until it stops."""
+    from .distributed import share_flag, share_text
+    from .generation import stream_generate
+    from .speculative import PromptCache
+
+    cache = PromptCache()
+    while True:
+        spec = share_text(model.group, None)
+        if spec is None:
+            return
+        spec = json.loads(spec)
+        try:
+            for r in stream_generate(model, tokenizer, spec["ids"], prompt_cache=cache,
+                                     **spec["settings"]):
+                if share_flag(model.group, False):
+                    break
+                if share_flag(model.group, False):
+                    break
+        except EagleError:
+            pass  # rank 0 answers the request with the same error
 
 
 def _find_stop(text: str, stops: List[str]) -> Optional[int]:
@@ -456,6 +488,9 @@ def _main(argv) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty.")
     model, tokenizer = load_from_args(args)
+    if model.group is not None and model.group.rank() != 0:
+        follow(model, tokenizer)  # rank 0 serves; this rank runs its share of the work
+        return 0
     model_id = args.model_id or args.model or "eagle_mlx-demo"
     try:
         server = Server((args.host, args.port), Handler)

@@ -37,7 +37,14 @@ if __name__ == "__main__":
     cli = rest.index("--cli")
     pairs = rest[:cli]
     run({pairs[i]: (pairs[i + 1], pairs[i + 2]) for i in range(0, len(pairs), 3)}, out)
-    # then the command-line tool, as `python -m eagle_mlx.generate ...` runs under the launcher
-    from eagle_mlx.generate import main
+    # then the command-line tools, as `python -m eagle_mlx.TOOL ...` run under the launcher:
+    # generate with the flags given, chat with the same model flags on the lines of stdin
+    from eagle_mlx.chat import main as chat
+    from eagle_mlx.generate import main as generate
 
-    sys.exit(main(rest[cli + 1:]))
+    flags = rest[cli + 1:]
+    code = generate(flags)
+    print("---- chat", flush=True)
+    model_flags = flags[:flags.index("--prompt")]
+    sys.stdin = open(f"{out}/chat.txt")  # the lines typed (rank 0 reads them)
+    sys.exit(code or chat([*model_flags, "--max-tokens", "8"]))

@@ -38,10 +38,11 @@ def free_port() -> int:
     raise RuntimeError("no free port pair")
 
 
-def launch(command, timeout=300):
+def launch(command, timeout=180):
     return subprocess.run([sys.executable, "-c", LAUNCH, "-n", "2", "--backend", "ring",
                            "--starting-port", str(free_port()), "--", sys.executable, *command],
-                          capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,8 @@ def test_two_ranks_generate_what_one_process_generates(pairs, tmp_path):
     args = [a for name, (t, h) in named.items() if h for a in (name, str(t), str(h))]
     target, head = named["llama-eagle1"]
     cli = ["--model", str(target), "--eagle", str(head), "--prompt", "t5 t9 t11", "--max-tokens", "24"]
+    lines = "t5 t9 t11\n/stats\nt7\n"
+    (tmp_path / "chat.txt").write_text(lines)
     two = launch([str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), *args, "--cli", *cli])
     assert two.returncode == 0, two.stderr
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -92,10 +95,50 @@ def test_two_ranks_generate_what_one_process_generates(pairs, tmp_path):
     one = subprocess.run([sys.executable, "-m", "eagle_mlx.generate", *cli], capture_output=True,
                          text=True, cwd=ROOT)
     assert one.returncode == 0, one.stderr
+    two_generate, two_chat = two.stdout.split("---- chat\n")
     # rank 0 alone writes: the output once, the same text as one process
-    assert two.stdout.count("==========") == one.stdout.count("==========") and \
-        two.stdout.count("Prompt:") == 1, two.stdout
-    assert two.stdout.split("==========")[1] == one.stdout.split("==========")[1]
+    assert two_generate.count("==========") == one.stdout.count("==========") and \
+        two_generate.count("Prompt:") == 1, two.stdout
+    assert two_generate.split("==========")[1] == one.stdout.split("==========")[1]
+    chat = subprocess.run([sys.executable, "-m", "eagle_mlx.chat", *cli[:4], "--max-tokens", "8"],
+                          capture_output=True, text=True, cwd=ROOT, input=lines)
+    assert chat.returncode == 0, chat.stderr
+    replies = lambda out: [l for l in out.splitlines() if l.startswith("t")]  # noqa: E731
+    assert len(replies(chat.stdout)) == 2 and replies(two_chat) == replies(chat.stdout)
+    assert two_chat.count("session: 1 replies") == 1
+
+
+def test_the_server_runs_on_two_ranks(pairs):
+    import openai
+
+    root, named = pairs
+    target, head = named["qwen3-eagle3"]
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCH, "-n", "2", "--backend", "ring", "--starting-port",
+         str(free_port()), "--", sys.executable, "-m", "eagle_mlx.server", "--model", str(target),
+         "--eagle", str(head), "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line, "the server did not start"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
+                               timeout=120)
+        model, tok = eagle_mlx.load(str(target), eagle=str(head))
+        for text, stop in (("t5 t9 t11", None), ("t7", ["t40"]), ("t5 t9 t11 t12", None)):
+            r = client.completions.create(model=str(target), prompt=text, max_tokens=16, stop=stop)
+            want = eagle_mlx.generate(model, tok, text, max_tokens=16)
+            if stop:
+                want = want.split(stop[0])[0]
+            assert r.choices[0].text == want, (text, r.choices[0].text, want)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: the launcher and its ranks
+        out, err = proc.communicate(timeout=60)
+    # (the launcher itself answers Ctrl-C with its own traceback; none comes from our ranks)
+    assert "eagle_mlx/" not in err, err
 
 
 def test_a_lost_rank_ends_the_other_in_one_sentence(pairs, tmp_path):
