@@ -136,7 +136,11 @@ def test_the_server_runs_on_two_ranks(pairs):
             assert r.choices[0].text == want, (text, r.choices[0].text, want)
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: the launcher and its ranks
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        finally:  # nothing may outlive the test
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     # (the launcher itself answers Ctrl-C with its own traceback; none comes from our ranks)
     assert "eagle_mlx/" not in err, err
 
@@ -163,7 +167,8 @@ def test_a_lost_rank_ends_the_other_in_one_sentence(pairs, tmp_path):
     try:
         out, err = procs[0].communicate(timeout=60)
     finally:
-        procs[0].kill()
+        for p in procs:
+            p.kill()
     assert time.time() - start < 30
     assert procs[0].returncode == 1, (out[-300:], err, procs[1].communicate()[1][-500:])
     lines = err.strip().splitlines()
