@@ -5,7 +5,6 @@ each other and with one process)."""
 import json
 import sys
 
-
 import eagle_mlx
 from eagle_mlx import distributed
 
