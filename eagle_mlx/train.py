@@ -73,6 +73,11 @@ def new_head_config(target) -> dict:
     }
 
 
+def counted(mask) -> mx.array:
+    """Flat indices of the positions the loss mask counts (the vocabulary-wide work runs there only)."""
+    return mx.array(np.flatnonzero(np.array(mask).reshape(-1) > 0).astype(np.int32))
+
+
 def smooth_l1(x, y):
     d = mx.abs(x - y)
     return mx.where(d < 1.0, 0.5 * d * d, d - 0.5)
@@ -199,15 +204,20 @@ class Trainer:
 
     def prepare(self, tokens, mask, ids, step_for_noise=None):
         hidden = self.features(tokens, ids)["hidden"]
-        feats, target_feats = hidden[:, :-1], hidden[:, 1:]
-        if step_for_noise is not None and self.args.noise > 0:
-            key = mx.random.key(self.args.seed * 1_000_003 + step_for_noise)
-            feats = feats + mx.random.uniform(-self.args.noise, self.args.noise, feats.shape, key=key)
+        feats, target_feats = self.noised(hidden[:, :-1], step_for_noise), hidden[:, 1:]
         mask = mask[:, :-1]
-        sel = mx.array(np.flatnonzero(np.array(mask).reshape(-1) > 0).astype(np.int32))
+        sel = counted(mask)
         target_logits = self.target.lm_head(target_feats.reshape(-1, target_feats.shape[-1])[sel])
         target_p = mx.softmax(target_logits.astype(mx.float32), axis=-1)
         return feats, tokens[:, 1:], target_feats, mx.stop_gradient(target_p), mask, sel
+
+    def noised(self, feats, step):
+        """Training features with the recipe's U(-noise, noise), drawn from the step's own key
+        (so a resumed run draws the same); evaluation (step None) is noise-free."""
+        if step is None or self.args.noise <= 0:
+            return feats
+        key = mx.random.key(self.args.seed * 1_000_003 + step)
+        return feats + mx.random.uniform(-self.args.noise, self.args.noise, feats.shape, key=key)
 
     @staticmethod
     def metrics(loss, stats, prefix=""):
@@ -426,12 +436,9 @@ class Eagle3Trainer(Trainer):
 
     def prepare(self, tokens, mask, ids, step_for_noise=None):
         f = self.features(tokens, ids)
-        feats, hidden = f["taps"][:, :-1], f["hidden"][:, 1:]
-        if step_for_noise is not None and self.args.noise > 0:
-            key = mx.random.key(self.args.seed * 1_000_003 + step_for_noise)
-            feats = feats + mx.random.uniform(-self.args.noise, self.args.noise, feats.shape, key=key)
+        feats, hidden = self.noised(f["taps"][:, :-1], step_for_noise), f["hidden"][:, 1:]
         T = feats.shape[1]
-        sel = mx.array(np.flatnonzero(np.array(mask[:, :-1]).reshape(-1) > 0).astype(np.int32))
+        sel = counted(mask[:, :-1])
         logits = self.target.lm_head(hidden.reshape(-1, hidden.shape[-1])[sel]).astype(mx.float32)
         keep = self.t2d_mx[logits.argmax(-1)]  # the target's top token is draftable
         target_p = mx.softmax(logits[:, self.draft_ids], axis=-1)
