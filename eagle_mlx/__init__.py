@@ -44,12 +44,24 @@ if _sys.argv and _sys.argv[0] == "-m":  # `python -m eagle_mlx.TOOL`, before TOO
     _signal.signal(_signal.SIGINT, _on_sigint)
     _sys.excepthook = _quiet_interrupt
 
-from .checkpoint import load_head  # noqa: E402
 from .errors import EagleError  # noqa: E402
-from .generation import GenerationResponse, generate, stream_generate  # noqa: E402
-from .speculative import PromptCache  # noqa: E402
-from .model import EagleModel, load  # noqa: E402
-from .target import Target, load_target  # noqa: E402
+
+# The rest is imported when first used: mlx-lm pulls in transformers (and torch, where it
+# is installed), seconds that a tool refusing a bad flag, or printing --help, need not pay.
+_LAZY = {"load_head": "checkpoint", "GenerationResponse": "generation", "generate": "generation",
+         "stream_generate": "generation", "PromptCache": "speculative", "EagleModel": "model",
+         "load": "model", "Target": "target", "load_target": "target"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 __all__ = ["EagleError", "EagleModel", "GenerationResponse", "Target", "generate", "load",

@@ -27,7 +27,7 @@ import numpy as np
 
 from .cli import ArgumentParser, UsageError, add_model_args, chat_prompt, load_from_args, run_cli
 from .errors import EagleError
-from .generation import check_values
+from .values import check_values
 from .outputs import atomic_file, check_out_file
 
 DEFAULT_TREES = "4/2/2,8/3/2,16/4/4,32/5/6,60/5/10"
@@ -349,10 +349,12 @@ def _main(argv):
     if importlib.util.find_spec("matplotlib") is None:  # checked before hours of measuring
         raise EagleError("the benchmark draws its plot with matplotlib, which is not installed; "
                          "pip install matplotlib.")
+    if args.model is not None and args.eagle is None:
+        raise UsageError("the benchmark compares EAGLE with plain decoding: give --eagle.")
+    prompts = load_prompts(args.datasets, args.num_prompts, args.prompts)  # before the model
     model, tokenizer = load_from_args(args)
     if model.head is None:
         raise UsageError("the benchmark compares EAGLE with plain decoding: give --eagle.")
-    prompts = load_prompts(args.datasets, args.num_prompts, args.prompts)
     encoded = [(src, chat_prompt(tokenizer, [{"role": "user", "content": text}],
                                  use_template=not args.ignore_chat_template)) for src, text in prompts]
     limit = model.target.max_context - args.max_tokens - 64

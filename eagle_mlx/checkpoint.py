@@ -22,9 +22,9 @@ from .hub import resolve
 from .outputs import atomic_dir
 from .target import read_config
 from .torch_pickle import load_torch_checkpoint
+from .values import DTYPES
 
 FORMAT_VERSION = 1
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 HEAD_FILES = ["config.json", "model.safetensors", "pytorch_model.bin"]
 # EAGLE-3 taps layers {2, L//2, L-3}: they are distinct only from 7 layers on
 EAGLE3_MIN_TARGET_LAYERS = 7

@@ -78,7 +78,7 @@ def add_draft_vocab_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    from .target import DTYPE_CHOICES
+    from .values import DTYPE_CHOICES
 
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="weights at load time: auto = float32 on the CPU (dequantized: MLX's "
@@ -105,7 +105,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def check_sampling_args(args) -> None:
     """Flag values a user can get wrong: one sentence each, exit code 2, before loading."""
-    from .generation import check_values
+    from .values import check_values
 
     if args.tree_choices is not None:
         args.tree_choices = parse_tree_choices(args.tree_choices)
@@ -149,12 +149,9 @@ def read_stdin(flag: str) -> str:
 
 def load_from_args(args):
     """Load the model named by --model/--eagle, or the shipped demo pair."""
-    from .demo import demo_paths
-    from .model import load
-
-    from .demo import DEMO_DRAFT_VOCAB
-
     from . import distributed
+    from .demo import DEMO_DRAFT_VOCAB, demo_paths
+    from .model import load
 
     model_path, eagle_path = args.model, args.eagle
     draft_vocab = getattr(args, "draft_vocab", None)

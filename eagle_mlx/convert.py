@@ -12,10 +12,10 @@ optionally casts (--dtype) or quantizes (-q), and writes the folders atomically.
 import sys
 from pathlib import Path
 
-from .checkpoint import DTYPES, build_head, read_head, save_head
 from .cli import ArgumentParser
 from .errors import EagleError
 from .outputs import atomic_dir, check_new_dir
+from .values import DTYPES
 
 
 def main(argv=None) -> int:
@@ -87,6 +87,8 @@ def _main(argv) -> int:
         check_new_dir(model_out, "--model-mlx-path")
         if model_out.absolute() == out.absolute():
             raise EagleError("--model-mlx-path must differ from --mlx-path.")
+    from .checkpoint import build_head, read_head, save_head
+
     head = target = None
     if args.eagle:
         config, weights, path = read_head(args.eagle)

@@ -29,8 +29,6 @@ def build_parser() -> ArgumentParser:
 
 
 def _main(argv) -> int:
-    from .generation import acceptance_warning, stream_generate
-
     args = build_parser().parse_args(argv)
     check_sampling_args(args)
     prompt = read_stdin("--prompt") if args.prompt == "-" else text_arg(args.prompt, "--prompt")
@@ -39,6 +37,8 @@ def _main(argv) -> int:
     if args.system_prompt is not None:
         text_arg(args.system_prompt, "--system-prompt")
     model, tokenizer = load_from_args(args)
+    from .generation import acceptance_warning, stream_generate
+
     messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
     messages.append({"role": "user", "content": prompt})
     ids = chat_prompt(tokenizer, messages, use_template=not args.ignore_chat_template)

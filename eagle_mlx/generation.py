@@ -5,7 +5,6 @@
         print(r.text, end="")
 """
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Union
@@ -15,7 +14,7 @@ import numpy as np
 
 from .errors import EagleError
 from .speculative import PromptCache, SamplingParams, eagle_steps, generation_stream, plain_steps
-from .tree import StaticTree
+from .values import _check, _is_int, check_values, static_top_k
 
 
 @dataclass
@@ -34,71 +33,6 @@ class GenerationResponse:
     target_forwards: int
     peak_memory: float  # GB
     accept_lengths: List[int] = field(default_factory=list, repr=False)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise EagleError(message)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_real(x) -> bool:
-    return (_is_int(x) or isinstance(x, (float, np.floating))) and math.isfinite(x)
-
-
-# Upper bounds on the tree, each with its reason
-MAX_DRAFT_TOP_K = 64    # each draft level ranks draft_top_k ** 2 candidates
-MAX_DEPTH = 64          # each level is one head forward per cycle
-MAX_TREE_NODES = 1024   # the verify pass attends between every pair of tree nodes
-MAX_SEED = 2**64 - 1    # MLX's random seed is an unsigned 64-bit integer
-
-
-def static_top_k(tree_choices) -> int:
-    """The fewest children per node a static tree's paths need: its highest rank + 1."""
-    return 1 + max(r for c in tree_choices for r in c)
-
-
-def check_values(max_tokens=256, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
-                 total_tokens=None, depth=None, draft_top_k=None, tree_choices=None,
-                 max_context=None, name=lambda n: n) -> None:
-    """Check sampling and tree values before anything is loaded: EagleError naming the
-    parameter (`name` turns a parameter into the flag a command-line tool calls it)."""
-    def need(ok, param, what, value):
-        _check(ok, f"{name(param)} must be {what} (got {value!r}).")
-
-    need(_is_int(max_tokens) and max_tokens >= 1, "max_tokens", "a whole number of at least 1",
-         max_tokens)
-    need(_is_real(temp) and temp >= 0, "temp", "0 (greedy) or a positive finite number", temp)
-    need(_is_real(top_p) and 0 < top_p <= 1, "top_p", "a number in (0, 1]", top_p)
-    need(_is_real(min_p) and 0 <= min_p <= 1, "min_p", "a number in [0, 1] (0: off)", min_p)
-    need(_is_int(top_k) and top_k >= 0, "top_k", "0 (off) or a positive whole number", top_k)
-    need(seed is None or (_is_int(seed) and 0 <= seed <= MAX_SEED), "seed",
-         "a whole number from 0 to 2**64 - 1", seed)
-    need(max_context is None or (_is_int(max_context) and max_context >= 2), "max_context",
-         "a whole number of at least 2", max_context)
-    need(draft_top_k is None or (_is_int(draft_top_k) and 1 <= draft_top_k <= MAX_DRAFT_TOP_K),
-         "draft_top_k", f"from 1 to {MAX_DRAFT_TOP_K} (each draft level ranks draft_top_k "
-         "squared candidates)", draft_top_k)
-    need(depth is None or (_is_int(depth) and 1 <= depth <= MAX_DEPTH), "depth",
-         f"from 1 to {MAX_DEPTH} (each level costs a head forward every cycle)", depth)
-    need(total_tokens is None or (_is_int(total_tokens) and 2 <= total_tokens <= MAX_TREE_NODES),
-         "total_tokens", f"from 2 to {MAX_TREE_NODES} (the verify pass attends between every "
-         "pair of tree nodes)", total_tokens)
-    if tree_choices is not None:
-        paths_ok = (isinstance(tree_choices, (list, tuple)) and len(tree_choices) > 0 and all(
-            isinstance(c, (list, tuple)) and len(c) > 0 and all(_is_int(r) and r >= 0 for r in c)
-            for c in tree_choices))
-        need(paths_ok, "tree_choices", "a non-empty list of paths of child ranks such as "
-             "[[0], [1], [0, 0]]", tree_choices)
-        need(len(tree_choices) + 1 <= MAX_TREE_NODES, "tree_choices",
-             f"at most {MAX_TREE_NODES - 1} paths", f"{len(tree_choices)} paths")
-        try:
-            StaticTree(tree_choices, draft_top_k or static_top_k(tree_choices))
-        except ValueError as e:
-            raise EagleError(f"{name('tree_choices')}: {e}.") from None
 
 
 def check_tree(model, total_tokens, depth, draft_top_k, tree_choices) -> None:

@@ -310,7 +310,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _parse(self, body: dict, chat: bool):
         from .cli import chat_prompt
-        from .generation import MAX_SEED, encode_prompt
+        from .generation import encode_prompt
+        from .values import MAX_SEED
 
         model = body.get("model")
         if model is not None and model not in (self.engine.model_id, "default"):

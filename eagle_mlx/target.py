@@ -21,6 +21,7 @@ from .errors import EagleError, reason
 from .gguf import find_gguf, load_gguf
 from .hub import resolve
 from .layers import attention
+from .values import DTYPE_CHOICES
 
 # mlx-lm decoders of the standard shape (norm -> attention with q/k/v/o and RoPE, optional
 # q/k norms -> norm -> MLP or sparse MoE), each tested against transformers
@@ -158,9 +159,6 @@ def _rope_overrides(config: dict) -> dict:
     if params.get("rope_type", "default") != "default":
         overrides["rope_scaling"] = params
     return overrides
-
-
-DTYPE_CHOICES = ("auto", "stored", "float32", "float16", "bfloat16")
 
 
 def resolve_dtype(dtype: Optional[str]) -> Optional[mx.Dtype]:
