@@ -17,14 +17,11 @@ token comes from p with all children zeroed. The output distribution is the targ
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from .compiled import compiled
 from .tree import Tree
 
 
-def process_logits(logits: mx.array, temp: float, top_p: float = 1.0, top_k: int = 0,
-                   min_p: float = 0.0) -> mx.array:
-    """Target logits [..., V] -> the normalised log-probabilities that mlx-lm's
-    `make_sampler(temp, top_p, min_p, top_k)` samples from: top-p, min-p and top-k filter
-    the untempered distribution (in that order), then the temperature scales what is left."""
+def _process_logits(temp: float, top_p: float, top_k: int, min_p: float, logits: mx.array):
     logprobs = logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     if 0 < top_p < 1.0:
@@ -37,28 +34,45 @@ def process_logits(logits: mx.array, temp: float, top_p: float = 1.0, top_k: int
     return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
 
 
-def _deepest(tree: Tree, node_ok: mx.array) -> mx.array:
+def process_logits(logits: mx.array, temp: float, top_p: float = 1.0, top_k: int = 0,
+                   min_p: float = 0.0) -> mx.array:
+    """Target logits [..., V] -> the normalised log-probabilities that mlx-lm's
+    `make_sampler(temp, top_p, min_p, top_k)` samples from: top-p, min-p and top-k filter
+    the untempered distribution (in that order), then the temperature scales what is left."""
+    return compiled(_process_logits, temp, top_p, top_k, min_p)(logits)
+
+
+def _deepest(anc: mx.array, depth: mx.array, node_ok: mx.array) -> mx.array:
     """Deepest node whose whole root path is ok (the root always is)."""
-    accepted = ~(tree.anc & ~node_ok[None, :]).any(axis=1)
-    return mx.argmax(mx.where(accepted, tree.depth, -1))
+    accepted = ~(anc & ~node_ok[None, :]).any(axis=1)
+    return mx.argmax(mx.where(accepted, depth, -1))
 
 
 def accept_greedy(tree: Tree, logits: mx.array):
     """logits [N, V] of the tree nodes -> (deepest accepted node, bonus token)."""
+    return compiled(_accept_greedy)(tree.tokens, tree.parents, tree.anc, tree.depth, logits)
+
+
+def _accept_greedy(tokens, parents, anc, depth, logits):
     best_next = logits.argmax(axis=-1)
-    is_root = mx.arange(tree.tokens.shape[0]) == 0
-    node_ok = is_root | (tree.tokens == best_next[tree.parents])
-    best = _deepest(tree, node_ok)
+    is_root = mx.arange(tokens.shape[0]) == 0
+    node_ok = is_root | (tokens == best_next[parents])
+    best = _deepest(anc, depth, node_ok)
     return best, best_next[best]
 
 
 def accept_sampling(tree: Tree, logprobs: mx.array):
     """logprobs [N, V] (processed target distributions) -> (deepest accepted node, next token)."""
-    n = tree.tokens.shape[0]
+    return compiled(_accept_sampling, random=True)(tree.tokens, tree.parents, tree.anc,
+                                                   tree.depth, logprobs)
+
+
+def _accept_sampling(tokens, parents, anc, depth, logprobs):
+    n = tokens.shape[0]
     probs = mx.exp(logprobs)
     idx = mx.arange(n)
-    p_draft = probs[tree.parents, tree.tokens]                    # p_parent(x) of each node
-    earlier_sibling = ((tree.parents[None, :] == tree.parents[:, None])
+    p_draft = probs[parents, tokens]                              # p_parent(x) of each node
+    earlier_sibling = ((parents[None, :] == parents[:, None])
                        & (idx[None, :] < idx[:, None]) & (idx[None, :] > 0))
     mass_before = (earlier_sibling * p_draft[None, :]).sum(axis=1)
     left = 1.0 - mass_before
@@ -66,9 +80,9 @@ def accept_sampling(tree: Tree, logprobs: mx.array):
     passed = mx.random.uniform(shape=(n,)) < ratio
     # tried in order: a node is taken only when no earlier sibling was
     taken = passed & ~(earlier_sibling & passed[None, :]).any(axis=1)
-    best = _deepest(tree, taken | (idx == 0))
-    children = (tree.parents == best) & (idx > 0)
-    zeroed = mx.zeros((probs.shape[-1],)).at[tree.tokens].add(children.astype(mx.float32)) > 0
+    best = _deepest(anc, depth, taken | (idx == 0))
+    children = (parents == best) & (idx > 0)
+    zeroed = mx.zeros((probs.shape[-1],)).at[tokens].add(children.astype(mx.float32)) > 0
     residual = mx.where(zeroed, 0.0, probs[best])
     residual = mx.where(residual.sum() > 0, residual, probs[best])
     return best, mx.random.categorical(mx.log(residual))

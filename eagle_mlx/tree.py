@@ -18,6 +18,8 @@ from typing import List, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .compiled import compiled
+
 # The static tree of the official EAGLE-1 code (eagle-llm's `mc_sim_7b_63`): 25 nodes + root.
 MC_SIM_7B_63 = [
     [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
@@ -57,6 +59,39 @@ def ancestors(parents: mx.array, max_depth: int) -> mx.array:
     return anc
 
 
+def _first_level(k: int, logits: mx.array):
+    """The root's k best children: (draft ids [k], log-probabilities [k])."""
+    return _topk(_log_softmax(logits), k)
+
+
+def _next_level(logits: mx.array, scores: mx.array, tree_mask: mx.array):
+    """One level of the dynamic tree from the head's logits [k, V] at the k frontier nodes:
+    each node's k best children, their cumulative scores, and the k best of those k*k as
+    the next frontier (which candidates, their scores, which frontier node each came from,
+    and the frontier's mask over the drafted levels)."""
+    k = scores.shape[0]
+    child_ids, child_lp = _topk(_log_softmax(logits), k)                 # [k, k]
+    cum = (child_lp + scores[:, None]).reshape(-1)
+    chosen, best = _topk(cum, k)
+    from_node = chosen // k
+    mask = mx.concatenate([tree_mask[from_node], mx.eye(k, dtype=mx.bool_)], axis=1)
+    return child_ids.reshape(-1), cum, chosen, best, from_node, mask
+
+
+def _rerank(n: int, top_k: int, depth: int, all_scores, all_tokens, all_parents, root):
+    """The n best nodes of the pool, in pool order (parents first), as a tree under root."""
+    keep = mx.sort(mx.argpartition(-all_scores, kth=n - 1)[:n])
+    node_tokens = all_tokens[keep]
+    pool_parent = all_parents[keep // top_k]  # 0 = root, else 1 + pool index
+    # a parent's place among the kept nodes (searchsorted), +1 for the root in front
+    parent_node = (keep[None, :] < (pool_parent - 1)[:, None]).sum(axis=1) + 1
+    parent_node = mx.where(pool_parent == 0, 0, parent_node)
+    parents = mx.concatenate([mx.zeros((1,), dtype=parent_node.dtype), parent_node])
+    tokens = mx.concatenate([root.reshape(1).astype(node_tokens.dtype), node_tokens])
+    anc = ancestors(parents, depth + 1)
+    return tokens, parents, anc, anc.sum(axis=1) - 1
+
+
 def _tree_step_mask(stable: int, tree_mask: mx.array) -> mx.array:
     k = tree_mask.shape[0]
     return mx.concatenate([mx.ones((k, stable), dtype=mx.bool_), tree_mask], axis=1)
@@ -74,7 +109,7 @@ def draft_dynamic(head, target, cache, features: mx.array, tokens: mx.array, roo
     out = head(features[None], tokens[None], embed, cache)
     stable = cache.offset
     last = out[:, -1:]                                         # [1, 1, H]
-    ids, scores = _topk(_log_softmax(head.logits(last[0, 0], target)), top_k)
+    ids, scores = compiled(_first_level, top_k)(head.logits(last[0, 0], target))
     ids = head.to_target_ids(ids)
     scores_list, tokens_list = [scores], [ids]
     parents_list = [mx.zeros((1,), dtype=mx.int32)]
@@ -90,31 +125,19 @@ def draft_dynamic(head, target, cache, features: mx.array, tokens: mx.array, roo
         # every later level k*k candidates
         bias = 1 + top_k * top_k * max(0, level - 1) + (top_k if level > 0 else 0)
         parents_list.append(chosen + bias)
-        child_ids, child_lp = _topk(_log_softmax(head.logits(out[0], target)), top_k)  # [k, k]
-        cum = child_lp + scores[:, None]
-        chosen, scores = _topk(cum.reshape(-1), top_k)
-        from_node = chosen // top_k
+        child_ids, cum, chosen, scores, from_node, tree_mask = compiled(_next_level)(
+            head.logits(out[0], target), scores, tree_mask)
         hidden = out[:, from_node]
-        child_ids = head.to_target_ids(child_ids).reshape(-1)
+        child_ids = head.to_target_ids(child_ids)
         frontier = child_ids[chosen]
         tokens_list.append(child_ids)
-        scores_list.append(cum.reshape(-1))
-        tree_mask = mx.concatenate([tree_mask[from_node], mx.eye(top_k, dtype=mx.bool_)], axis=1)
+        scores_list.append(cum)
     cache.truncate(stable)
 
     # rerank: the total_tokens - 1 best of the pool, in pool order (parents first)
-    all_scores = mx.concatenate(scores_list)
-    n = total_tokens - 1
-    keep = mx.sort(mx.argpartition(-all_scores, kth=n - 1)[:n])
-    node_tokens = mx.concatenate(tokens_list)[keep]
-    pool_parent = mx.concatenate(parents_list)[keep // top_k]  # 0 = root, else 1 + pool index
-    # a parent's place among the kept nodes (searchsorted), +1 for the root in front
-    parent_node = (keep[None, :] < (pool_parent - 1)[:, None]).sum(axis=1) + 1
-    parent_node = mx.where(pool_parent == 0, 0, parent_node)
-    parents = mx.concatenate([mx.zeros((1,), dtype=parent_node.dtype), parent_node])
-    tokens = mx.concatenate([root.reshape(1).astype(node_tokens.dtype), node_tokens])
-    anc = ancestors(parents, depth + 1)
-    return Tree(tokens, parents, anc, anc.sum(axis=1) - 1)
+    return Tree(*compiled(_rerank, total_tokens - 1, top_k, depth)(
+        mx.concatenate(scores_list), mx.concatenate(tokens_list), mx.concatenate(parents_list),
+        root))
 
 
 class StaticTree:

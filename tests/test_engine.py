@@ -79,6 +79,17 @@ def test_official_parity(case):
 
 
 @requires_oracle
+@pytest.mark.parametrize("group", ["eagle1_pip", "eagle2_github", "eagle3_github"])
+def test_official_parity_uncompiled(group, monkeypatch):
+    """The same operations run one kernel each (EAGLE_MLX_COMPILE=0): the official output
+    still, tree for tree (the first run of each kind; the compiled path is checked above)."""
+    from eagle_mlx import compiled
+
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    test_official_parity(("llama", group, 0, 0))
+
+
+@requires_oracle
 def test_static_tree_buffers_match_the_official_ones():
     ref = oracle_reference()["llama"]["eagle1_pip"]
     assert MC_SIM_7B_63 == ref["tree_choices"]
