@@ -169,14 +169,22 @@ def draft_seconds(tree, tau, draft):
     return _interp(draft, tree["draft_top_k"]) * tree["depth"] + _interp(draft, tau)
 
 
+def modelled_cycle(tree, tau, verify, draft, calibration):
+    """A cycle's modelled seconds: the verify pass from the verify cost curve, the draft
+    from the head's cost curve scaled by how the profiled cycles compared with it, plus the
+    profiled fixed cost (accept, cache update, loop)."""
+    return (_interp(verify, tree["total_tokens"])
+            + draft_seconds(tree, tau, draft) * calibration["draft_scale"]
+            + calibration["fixed_seconds"])
+
+
 def expected_tokens_per_second(tree, tau, verify, draft, calibration):
-    """tau tokens per cycle over the cycle's modelled time: the verify pass from the verify
-    cost curve, the draft from the head's cost curve scaled by how the profiled cycles
-    compared with it, plus the profiled fixed cost (accept, cache update, loop)."""
-    cycle = (_interp(verify, tree["total_tokens"])
-             + draft_seconds(tree, tau, draft) * calibration["draft_scale"]
-             + calibration["fixed_seconds"])
-    return tau / cycle
+    """tau tokens per cycle over the modelled cycle, times the one factor that makes the
+    default tree's modelled cycle equal its measured one (the profile syncs after every
+    phase, and the curves are measured apart from the loop): the default tree calibrates,
+    every other tree is a prediction."""
+    return tau / (modelled_cycle(tree, tau, verify, draft, calibration)
+                  * calibration.get("cycle_scale", 1.0))
 
 
 def run_one(model, tokenizer, ids, max_tokens, temp, seed, tree=None, timer=None):
@@ -372,7 +380,7 @@ def _main(argv):
     print("verify cost t(k)/t(1): " + ", ".join(f"{k}: {verify[k] / t1:.2f}" for k in sizes),
           file=sys.stderr)
 
-    from .speculative import PhaseTimer
+    from .speculative import GraphCounter, PhaseTimer
 
     report = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                           "mlx": mx.__version__, "device": str(mx.default_device())},
@@ -441,18 +449,32 @@ def _main(argv):
             "draft_scale": per_cycle["draft"] / max(draft_seconds(default, default_tau, draft), 1e-9),
             "fixed_seconds": per_cycle["accept"] + per_cycle["update"] + per_cycle["other"],
         }
+        if default in trees:  # the measured (unsynced) cycle of the default tree
+            real = statistics.mean(r["generation_tokens"] / max(r["tokens_per_second"], 1e-9)
+                                   / max(r["target_forwards"], 1)
+                                   for r in runs_of(per_prompt, trees, default))
+            calibration["cycle_scale"] = real / modelled_cycle(default, default_tau, verify, draft,
+                                                               calibration)
         for s in summary:
             s["expected_speedup"] = expected_tokens_per_second(
-                s["tree"], s["tau"], verify, draft, calibration) * t1
+                s["tree"], s["tau"], verify, draft, calibration) / plain_tps
         report["trees"][str(temp)] = summary
         for row in summary:
             t = row["tree"]
             print(f"temp {temp}, tree {t['total_tokens']}/{t['depth']}/{t['draft_top_k']}: tau "
-                  f"{row['tau']:.2f}, {row['tokens_per_second']:.1f} tok/s (plain {plain_tps:.1f}); "
+                  f"{row['tau']:.2f}, {row['tokens_per_second']:.1f} tok/s (plain {plain_tps:.1f}; "
+                  f"{row['measured_speedup']:.2f}x, modelled {row['expected_speedup']:.2f}x); "
                   "acceptance at depth 1..: " + ", ".join(
                       "-" if a is None else f"{a:.2f}" for a in row["depth_acceptance"]),
                   file=sys.stderr)
+        counter = GraphCounter()  # the operations one cycle evaluates, by phase
+        run_one(model, tokenizer, encoded[0][1], args.max_tokens, temp, args.seed, default, counter)
+        graph = counter.per_cycle()
+        print("graph nodes per cycle (tree {total_tokens}/{depth}/{draft_top_k}): ".format(**default)
+              + ", ".join(f"{k} {v:.0f}" for k, v in graph["nodes"].items())
+              + f"; total {graph['total']:.0f}", file=sys.stderr)
         report["overall"][str(temp)] = {"plain_tokens_per_second": plain_tps, "cycle_split": split,
+                                        "graph_nodes_per_cycle": graph,
                                         "cycle_seconds": per_cycle, "calibration": calibration}
 
     # choose: the tree with the highest expected tokens/s at the first temperature,

@@ -46,6 +46,38 @@ class PhaseTimer:
         self.cycles += phase == "update"
 
 
+class GraphCounter(PhaseTimer):
+    """Counts the MLX operations (graph nodes) each phase of the cycle evaluates, by kind:
+    what a device's per-kernel launch cost multiplies. On the CPU, MLX's fast kernels
+    (RoPE, attention, RMSNorm) run as their composite graphs and count as many nodes; on
+    a GPU each is one."""
+
+    def __init__(self):
+        super().__init__()
+        self.nodes = {phase: 0 for phase in self.seconds}
+        self.kinds = {}
+
+    def lap(self, phase: str, *arrays) -> None:
+        if self._last is not None and arrays:
+            import io
+            import re
+
+            dot = io.StringIO()
+            mx.export_to_dot(dot, *arrays)
+            labels = re.findall(r'label ="([^"]+)"', dot.getvalue())
+            self.nodes[phase] += len(labels)
+            for label in labels:
+                self.kinds[label] = self.kinds.get(label, 0) + 1
+        super().lap(phase, *arrays)
+
+    def per_cycle(self) -> dict:
+        cycles = max(self.cycles, 1)
+        return {"nodes": {k: v / cycles for k, v in self.nodes.items()},
+                "total": sum(self.nodes.values()) / cycles,
+                "by_kind": {k: v / cycles for k, v in
+                            sorted(self.kinds.items(), key=lambda kv: -kv[1])}}
+
+
 class _NoTimer(PhaseTimer):
     def lap(self, phase, *arrays):
         pass
@@ -227,12 +259,12 @@ def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
             else:
                 best, bonus = accept_sampling(tree, sampling.logprobs(logits))
             path_mask = tree.anc[best]
+            timer.lap("accept", path_mask, tree.tokens, bonus)
             # SYNC (once per cycle): which nodes were accepted, and the next root token
             mx.eval(path_mask, tree.tokens, bonus)
             path = np.flatnonzero(np.array(path_mask)).tolist()  # root first: parents precede
             tokens = tree.tokens.tolist()
             root_token = bonus.item()
-            timer.lap("accept")
             # 5. update: keep the accepted rows of the target cache, hand their features on
             path_idx = mx.array(path)
             for c in cache:
@@ -243,6 +275,9 @@ def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
             head_tokens = mx.array(out, dtype=prompt_ids.dtype)
             root = mx.array(root_token)
             timer.lap("update", feats, *[c.keys for c in cache])
+            # the device keeps the accepted rows while the caller handles the tokens
+            # (mlx-lm's async_eval pattern): the next cycle starts from evaluated caches
+            mx.async_eval(feats, *[a for c in cache for a in (c.keys, c.values)])
         cached += out
         traced = None
         if trace:
