@@ -64,11 +64,14 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
-# The real-model file holds a third of the suite's time in four tests. Under
-# `pytest -n 2 --dist loadfile` it goes first, so that the other worker takes the many
-# short files meanwhile (xdist would otherwise order files by test count and leave the
-# real-model file to the end, alone on one worker).
-FIRST = "test_demo.py"
+# Under `pytest -n 2 --dist loadfile` each file runs whole on one worker, and a worker is
+# handed its next file as soon as two of its tests are left. So the files go longest first
+# (their order here, measured on the 2-core development machine; xdist would otherwise order
+# them by test count and leave a long file to the end, alone on one worker), and within a
+# file the tests marked `long` go first (a file's long tests left at its end would hold up
+# the next file, already handed to the same worker).
+LONGEST_FIRST = ["test_demo.py", "test_engine.py", "test_distributed.py", "test_cli.py",
+                 "test_server.py", "test_bad_inputs.py", "test_train_eagle3.py", "test_train.py"]
 
 
 def pytest_configure(config):
@@ -77,4 +80,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] != FIRST)
+    def order(item):
+        name = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        rank = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        return rank, item.get_closest_marker("long") is None
+
+    items.sort(key=order)  # stable: the files' own order otherwise

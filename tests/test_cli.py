@@ -84,6 +84,7 @@ def test_chat_two_turns_reset_quit(pair):
     assert lines[-1] == after_reset  # nothing after /quit ran
 
 
+@pytest.mark.long
 def test_chat_trims_old_turns_to_fit_the_context(pair):
     target, head = pair
     turns = "\n".join(" ".join(f"t{3 + (i * 7 + j) % 60}" for j in range(20)) for i in range(6))
@@ -110,6 +111,7 @@ def test_empty_and_too_long_prompts(pair):
                  "--prompt is", "context of 128 tokens")
 
 
+@pytest.mark.long
 def test_bad_model_and_head_paths(pair, tmp_path):
     target, head = pair
     one_sentence(cli("generate", "--model", tmp_path / "missing", "--prompt", "t5"), 1, "does not exist")
@@ -125,6 +127,7 @@ def test_repo_id_while_offline(pair, tmp_path):
     one_sentence(proc, 1, "someone/no-such-model", "HF_HUB_OFFLINE=1")
 
 
+@pytest.mark.long
 def test_benchmark_writes_json_png_and_tuning(pair, tmp_path, monkeypatch):
     target, head = pair
     head_copy = tmp_path / "head"
@@ -163,6 +166,7 @@ def test_benchmark_writes_json_png_and_tuning(pair, tmp_path, monkeypatch):
     assert other.tuning is None
 
 
+@pytest.mark.long
 def test_benchmark_chooses_the_draft_vocabulary(pair, tmp_path, monkeypatch):
     """--draft-vocabs measures the chosen tree with each size; the fastest is saved with the
     tree, and load() drafts over it from then on (unless told otherwise)."""

@@ -1,6 +1,7 @@
 """The target sharded over 2 local processes (ring backend, launched with MLX's launcher):
 the same tokens as one process, ranks that never diverge, a lost rank ends in a sentence."""
 
+import io
 import json
 import os
 import signal
@@ -59,7 +60,8 @@ def pairs(tmp_path_factory):
     }
 
 
-def test_two_ranks_generate_what_one_process_generates(pairs, tmp_path):
+@pytest.mark.long
+def test_two_ranks_generate_what_one_process_generates(pairs, tmp_path, capsys, monkeypatch):
     """The API with a group (EAGLE-1 on Llama, EAGLE-3 on Qwen3; greedy, seeded and unseeded
     sampling, plain decoding), then `eagle_mlx.generate`'s command line, on 2 ranks."""
     root, named = pairs
@@ -80,22 +82,27 @@ def test_two_ranks_generate_what_one_process_generates(pairs, tmp_path):
                 for t in r.tokens]
             assert ranks[0][f"{name}/{i}"] == one, (name, case, speculate)
         assert len(ranks[0][f"{name}/unseeded"]) > 0
-    one = subprocess.run([sys.executable, "-m", "eagle_mlx.generate", *cli], capture_output=True,
-                         text=True, cwd=ROOT)
-    assert one.returncode == 0, one.stderr
+    # one process: the same tools in this one (their `main`, what the console scripts call)
+    from eagle_mlx.chat import main as chat
+    from eagle_mlx.generate import main as generate
+
+    capsys.readouterr()
+    assert generate(cli) == 0
+    one = capsys.readouterr().out
     two_generate, two_chat = two.stdout.split("---- chat\n")
     # rank 0 alone writes: the output once, the same text as one process
-    assert two_generate.count("==========") == one.stdout.count("==========") and \
+    assert two_generate.count("==========") == one.count("==========") and \
         two_generate.count("Prompt:") == 1, two.stdout
-    assert two_generate.split("==========")[1] == one.stdout.split("==========")[1]
-    chat = subprocess.run([sys.executable, "-m", "eagle_mlx.chat", *cli[:4], "--max-tokens", "8"],
-                          capture_output=True, text=True, cwd=ROOT, input=lines)
-    assert chat.returncode == 0, chat.stderr
+    assert two_generate.split("==========")[1] == one.split("==========")[1]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines.encode())))
+    assert chat([*cli[:4], "--max-tokens", "8"]) == 0
+    one_chat = capsys.readouterr().out
     replies = lambda out: [l for l in out.splitlines() if l.startswith("t")]  # noqa: E731
-    assert len(replies(chat.stdout)) == 2 and replies(two_chat) == replies(chat.stdout)
+    assert len(replies(one_chat)) == 2 and replies(two_chat) == replies(one_chat)
     assert two_chat.count("session: 1 replies") == 1
 
 
+@pytest.mark.long
 def test_the_server_runs_on_two_ranks(pairs):
     import openai
 

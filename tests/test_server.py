@@ -255,6 +255,7 @@ def test_bad_requests_get_a_json_error_and_the_server_goes_on(server, method, pa
     assert server.proc.poll() is None
 
 
+@pytest.mark.long
 def test_the_demo_pair_serves_what_generate_writes():
     from eagle_mlx.demo import demo_paths
 
