@@ -225,7 +225,8 @@ def chat_prompt(tokenizer, messages, use_template: bool = True):
     return encode_prompt(tokenizer, "\n".join(m["content"] for m in messages))
 
 
-def print_stats(r, file=sys.stdout) -> None:
+def print_stats(r, file=None) -> None:
+    file = file or sys.stdout  # the stream of the moment (a caller may have redirected it)
     print("==========", file=file)
     print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec", file=file)
     print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec",
