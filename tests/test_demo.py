@@ -97,7 +97,7 @@ def test_real_pair_eagle_greedy_equals_plain_greedy(mt_bench_greedy):
 def test_the_readme_main_job_runs_offline(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "eagle_mlx.generate", "--prompt",
-                           "Give me three tips for writing a good email.", "--max-tokens", "8"],
+                           "Give me three tips for writing a good email.", "--max-tokens", "6"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout.split("==========\n")[1]
