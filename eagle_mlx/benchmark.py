@@ -171,10 +171,12 @@ def draft_seconds(tree, tau, draft):
 
 def modelled_cycle(tree, tau, verify, draft, calibration):
     """A cycle's modelled seconds: the verify pass from the verify cost curve, the draft
-    from the head's cost curve scaled by how the profiled cycles compared with it, plus the
-    profiled fixed cost (accept, cache update, loop)."""
+    from the head's cost curve scaled by how the profiled cycles compared with it, the
+    acceptance per tree node (sampling turns every node's logits into a distribution), plus
+    the profiled fixed cost (cache update, loop)."""
     return (_interp(verify, tree["total_tokens"])
             + draft_seconds(tree, tau, draft) * calibration["draft_scale"]
+            + calibration["accept_seconds_per_node"] * tree["total_tokens"]
             + calibration["fixed_seconds"])
 
 
@@ -447,7 +449,8 @@ def _main(argv):
             if default in trees else summary[0]["tau"]
         calibration = {
             "draft_scale": per_cycle["draft"] / max(draft_seconds(default, default_tau, draft), 1e-9),
-            "fixed_seconds": per_cycle["accept"] + per_cycle["update"] + per_cycle["other"],
+            "accept_seconds_per_node": per_cycle["accept"] / default["total_tokens"],
+            "fixed_seconds": per_cycle["update"] + per_cycle["other"],
         }
         if default in trees:  # the measured (unsynced) cycle of the default tree
             real = statistics.mean(r["generation_tokens"] / max(r["tokens_per_second"], 1e-9)
