@@ -407,8 +407,12 @@ def _main(argv):
                 if temp == 0:
                     res["identical_to_plain"] = res["tokens"] == row["plain"]["tokens"]
                 row["eagle"].append(res)
-            timer = PhaseTimer()
+            # the first prompt's profile also counts the graph operations of each phase
+            timer = GraphCounter() if i == 0 else PhaseTimer()
             prof = run_one(model, tokenizer, ids, args.max_tokens, temp, seed, default, timer)
+            if i == 0:
+                graph = timer.per_cycle()
+                prof["seconds"] -= timer.counting_seconds
             phases = dict(timer.seconds)
             phases["other"] = max(prof["seconds"] - sum(phases.values()), 0.0)
             total = sum(phases.values()) or 1.0
@@ -470,9 +474,6 @@ def _main(argv):
                   "acceptance at depth 1..: " + ", ".join(
                       "-" if a is None else f"{a:.2f}" for a in row["depth_acceptance"]),
                   file=sys.stderr)
-        counter = GraphCounter()  # the operations one cycle evaluates, by phase
-        run_one(model, tokenizer, encoded[0][1], args.max_tokens, temp, args.seed, default, counter)
-        graph = counter.per_cycle()
         print("graph nodes per cycle (tree {total_tokens}/{depth}/{draft_top_k}): ".format(**default)
               + ", ".join(f"{k} {v:.0f}" for k, v in graph["nodes"].items())
               + f"; total {graph['total']:.0f}", file=sys.stderr)
