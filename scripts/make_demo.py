@@ -52,6 +52,9 @@ def describe_data(data) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=120, help="training time for this sitting")
+    p.add_argument("--steps", type=int, default=1000000,
+                   help="stop at this training step (the whole run's count; e.g. the EAGLE-1 head's "
+                        "575 for an EAGLE-3 head on the same token budget)")
     p.add_argument("--kind", choices=["eagle1", "eagle3"], default="eagle1", help="the head to train")
     p.add_argument("--work", default=None,
                    help="training run folder (default: build/demo_head, build/demo_head3 for eagle3)")
@@ -90,7 +93,7 @@ def main():
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         rc = subprocess.call([sys.executable, *launcher, "-m", "eagle_mlx.train", "--model",
-                              str(target), "--out", str(work), "--max-steps", "1000000",
+                              str(target), "--out", str(work), "--max-steps", str(args.steps),
                               "--max-time", str(args.minutes * 60), *TRAIN_ARGS, *kind_args, *start],
                              cwd=ROOT, env=env)
         if rc:
