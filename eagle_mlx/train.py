@@ -126,7 +126,9 @@ class Trainer:
         """Start from the weights of an existing head of this kind for this target."""
         from .checkpoint import load_head
 
-        other = load_head(path, self.target)
+        from .target import convert_dtype
+
+        other = convert_dtype(load_head(path, self.target), mx.float32)  # (a quantized head too)
         mine = dict(tree_flatten(self.head.parameters()))
         theirs = dict(tree_flatten(other.parameters()))
         if other.kind != self.kind or set(theirs) != set(mine) or any(
@@ -508,7 +510,8 @@ def build_parser():
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--cache-features", help="folder to keep target features in between epochs")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    p.add_argument("--init-head", help="start a new run from this EAGLE-1 head's weights")
+    p.add_argument("--init-head", help="start a new run from the weights of this head (of the kind trained, for "
+                        "this target; a quantized head is dequantized)")
     p.add_argument("--export", help="also write the head in the published PyTorch-side layout here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -27,6 +27,7 @@ def main():
     from eagle_mlx import distributed
     from eagle_mlx.cli import chat_prompt
     from eagle_mlx.demo import DEMO_DRAFT_VOCAB, demo_paths
+    from eagle_mlx.model import attach_draft_vocab
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model")
@@ -35,12 +36,12 @@ def main():
     p.add_argument("--repeats", type=int, default=2, help="runs of each mode (the best counts)")
     args = p.parse_args()
     group = distributed.group()
-    model_path, head_path, draft = args.model, args.eagle, None
+    model_path, head_path = args.model, args.eagle
     if model_path is None:
         model_path, head_path = demo_paths()
-        draft = DEMO_DRAFT_VOCAB
-    model, tok = eagle_mlx.load(str(model_path), eagle=str(head_path), group=group,
-                                draft_vocab=draft)
+    model, tok = eagle_mlx.load(str(model_path), eagle=str(head_path), group=group)
+    if args.model is None and model.head.kind == "eagle1":  # as the demo drafts
+        attach_draft_vocab(model.head, model.target, tok, DEMO_DRAFT_VOCAB)
     ids = chat_prompt(tok, [{"role": "user", "content": PROMPT}])
 
     calls = {"n": 0, "bytes": 0}

