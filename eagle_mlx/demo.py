@@ -27,6 +27,7 @@ def demo_target() -> Path:
 
 
 DEMO_HEADS = {"eagle3": DEMO_DIR / "head3", "eagle1": DEMO_DIR / "head"}  # the default first
+DEMO_RECIPES = {"eagle3": DEMO_DIR / "recipe3.json", "eagle1": DEMO_DIR / "recipe.json"}
 
 
 def demo_head(kind: Optional[str] = None) -> Optional[Path]:

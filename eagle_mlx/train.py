@@ -510,8 +510,9 @@ def build_parser():
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--cache-features", help="folder to keep target features in between epochs")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    p.add_argument("--init-head", help="start a new run from the weights of this head (of the kind trained, for "
-                        "this target; a quantized head is dequantized)")
+    p.add_argument("--init-head", help="start a new run from the weights of this head (of the "
+                                       "kind trained, for this target; a quantized head is "
+                                       "dequantized)")
     p.add_argument("--export", help="also write the head in the published PyTorch-side layout here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")

