@@ -5,16 +5,17 @@
 Endpoints (as `mlx_lm.server` has them): POST /v1/chat/completions, POST /v1/completions,
 GET /v1/models, GET /health. Built on the standard library's ThreadingHTTPServer, as
 mlx_lm.server is: no framework to install or keep up with, and every connection gets a
-thread that only parses, validates and streams. Generation runs on one worker thread,
-one request at a time in arrival order (the model and its caches are not shared between
-threads); the worker keeps a PromptCache, so a request that extends the previous
-conversation prefills only its new messages. A client that disconnects stops its
-generation at the next target forward.
+thread that only parses, validates and streams. Generation runs on the main thread, one
+request at a time in arrival order (the model and its caches are not shared between
+threads); it keeps a PromptCache, so a request that extends the previous conversation
+prefills only its new messages. A client that disconnects stops its generation at the next
+target forward.
 """
 
 import json
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -75,7 +76,7 @@ def _text_content(content, where: str) -> str:
 
 
 class Job:
-    """One request on its way through the worker: settings in, events out."""
+    """One request on its way through the engine: settings in, events out."""
 
     def __init__(self, ids: List[int], settings: dict, stop: List[str]):
         self.ids, self.settings, self.stop = ids, settings, stop
@@ -84,39 +85,41 @@ class Job:
 
 
 class Engine:
-    """The model, its single worker thread and the prompt cache it keeps."""
+    """The model, the loop that runs its generations one at a time, and the prompt cache
+    it keeps. `run` is called on the main thread: MLX gives every thread its own streams,
+    and a process whose other threads computed with MLX can abort as it exits."""
 
     def __init__(self, model, tokenizer, model_id: str, log=None):
         """Under mlx.launch (model.group set) this is rank 0: every request is sent to the
         other ranks (`follow`), which run the same generation on their shards."""
-        import mlx.core as mx
-
         from .speculative import PromptCache
 
-        # nothing lazy may reach the worker: arrays are tied to the thread that made them
-        mx.eval(model.target.model.parameters(),
-                model.head.parameters() if model.head is not None else [])
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.cache = PromptCache()
         self.jobs = queue.Queue()
         self.current, self.stopping = None, False
+        self.lock = threading.Lock()  # no job is queued behind the end of the loop
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.worker = threading.Thread(target=self._work, name="eagle-worker", daemon=True)
-        self.worker.start()
 
     def submit(self, job: Job) -> Job:
-        self.jobs.put(job)
+        with self.lock:
+            if self.stopping:
+                job.events.put(("error", "the server is shutting down."))
+            else:
+                self.jobs.put(job)
         return job
 
-    def stop(self, timeout: float = 30.0):
-        """Cancel what runs and what waits, and wait for the worker to finish."""
-        self.stopping = True
-        if self.current is not None:
-            self.current.cancelled.set()
-        self.jobs.put(None)
-        self.worker.join(timeout)
+    def stop(self) -> None:
+        """Cancel what runs, refuse what waits, and end `run` (from any thread)."""
+        with self.lock:
+            if not self.stopping:
+                self.stopping = True
+                if self.current is not None:
+                    self.current.cancelled.set()
+                self.jobs.put(None)
 
-    def _work(self):
+    def run(self) -> None:
+        """Serve the queued jobs until `stop`."""
         from .distributed import share_text
 
         while True:
@@ -134,6 +137,8 @@ class Engine:
             except Exception as e:  # keep serving: the request fails, the server does not
                 self.log(f"error: generation failed ({type(e).__name__}: {e})")
                 job.events.put(("error", "generation failed inside the server."))
+            finally:
+                self.current = None
 
     def _run(self, job: Job):
         from .distributed import share_flag, share_text
@@ -304,7 +309,7 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self._complete(job, rid, chat)
         except (BrokenPipeError, ConnectionResetError):
-            job.cancelled.set()  # the client left: the worker stops at its next forward
+            job.cancelled.set()  # the client left: generation stops at its next forward
             self.close_connection = True
             self.engine.log(f"client of {rid} disconnected; its generation was stopped")
 
@@ -445,8 +450,37 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
-    daemon_threads = True
+    daemon_threads = True  # a connection that will not end cannot hold the exit
     allow_reuse_address = True
+
+    def __init__(self, *args, **kwargs):
+        self.open = {}  # handler thread -> its connection
+        self.open_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request_thread(self, request, client_address):
+        with self.open_lock:
+            self.open[threading.current_thread()] = request
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.open_lock:
+                self.open.pop(threading.current_thread(), None)
+
+    def end_connections(self, timeout: float = 10.0) -> None:
+        """Let every handler thread end before the interpreter does (one still running at
+        exit can abort the process from inside native code): connections kept alive between
+        requests stop waiting for the next one; answers being written finish first."""
+        with self.open_lock:
+            open_ = dict(self.open)
+        for conn in open_.values():
+            try:
+                conn.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass  # already closed by the client
+        deadline = time.monotonic() + timeout
+        for thread in open_:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def build_parser() -> ArgumentParser:
@@ -502,18 +536,26 @@ def _main(argv) -> int:
     server.default_max_tokens, server.default_temp = args.max_tokens, args.temp
     server.verbose, server.started = args.verbose, int(time.time())
 
+    def shut_down():
+        server.shutdown()  # no new connections
+        server.engine.stop()  # what runs is cancelled, what waits is refused
+
     def stop(signum, frame):  # Ctrl-C / SIGTERM: stop accepting, finish, exit
-        threading.Thread(target=server.shutdown, daemon=True).start()
+        threading.Thread(target=shut_down, daemon=True).start()
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    http = threading.Thread(target=server.serve_forever, name="eagle-http", daemon=True)
+    http.start()
     host, port = server.server_address[:2]
     mode = "plain decoding" if model.head is None else f"{model.head.kind} head"
     print(f"serving {model_id} ({mode}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     try:
-        server.serve_forever()
+        server.engine.run()  # here, on the main thread, until a signal stops it
     finally:
         server.engine.stop()
+        server.shutdown()
+        server.end_connections()  # answers being written finish first
         server.server_close()
     print("server stopped", file=sys.stderr, flush=True)
     return 0

@@ -87,7 +87,8 @@ def server(tiny_pair):
     target, head = tiny_pair
     s = Running(["--model", target, "--eagle", head, "--api-key", KEY, "--max-body-bytes", 4096])
     yield s
-    assert s.stop() == 0  # SIGTERM: a clean shutdown
+    code = s.stop()
+    assert code == 0, "".join(s.lines[-20:])  # SIGTERM: a clean shutdown
 
 
 @pytest.fixture(scope="module")
