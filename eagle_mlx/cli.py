@@ -3,6 +3,7 @@ that end in one sentence, never a traceback."""
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +24,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def run_cli(main, argv=None) -> int:
-    """Run main(argv); an EagleError prints its sentence and exits 1 (2 for usage errors)."""
+    """Run main(argv); an EagleError prints its sentence and exits 1 (2 for usage errors),
+    as does a lost rank of a distributed run (at once: see below)."""
     try:
         return main(sys.argv[1:] if argv is None else argv) or 0
     except EagleError as e:
@@ -42,8 +44,14 @@ def run_cli(main, argv=None) -> int:
             raise
         from .distributed import errors
 
-        print(f"error: {sentence}", file=errors())
-        return 1
+        print(f"error: {sentence}", file=errors(), flush=True)
+        try:
+            sys.stdout.flush()
+        except OSError:
+            pass
+        # the group's threads still wait on the lost rank: an orderly interpreter exit can
+        # block on them, so the process ends here (as it does when the launcher stops it)
+        os._exit(1)
 
 
 def started() -> None:

@@ -178,6 +178,10 @@ def test_a_lost_rank_ends_the_other_in_one_sentence(pairs, tmp_path):
     start = time.time()
     try:
         out, err = procs[0].communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        out, err = procs[0].communicate()
+        raise AssertionError(f"rank 0 still ran 60 s after rank 1 was killed: {err[-500:]}")
     finally:
         for p in procs:
             p.kill()
