@@ -158,7 +158,7 @@ def read_stdin(flag: str) -> str:
 def load_from_args(args):
     """Load the model named by --model/--eagle, or the shipped demo pair."""
     from . import distributed
-    from .demo import DEMO_DRAFT_VOCAB, demo_paths
+    from .demo import demo_draft_vocab, demo_paths
     from .model import load
 
     model_path, eagle_path = args.model, args.eagle
@@ -176,8 +176,8 @@ def load_from_args(args):
     # an explicit --draft-vocab 0 also overrides the benchmark's tuned choice
     model, tokenizer = load(model_path, eagle=eagle_path, dtype=args.dtype,
                             draft_vocab=0 if draft_vocab == 0 else None, group=group)
-    if demo_vocab and model.head is not None and model.head.kind == "eagle1":
-        draft_vocab = DEMO_DRAFT_VOCAB
+    if demo_vocab:
+        draft_vocab = demo_draft_vocab(model.head)
     if draft_vocab and model.head is not None:
         from .model import attach_draft_vocab
 

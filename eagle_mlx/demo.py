@@ -51,6 +51,13 @@ RANKING_FILE = DEMO_DIR / "token_ranking.npy"
 DEMO_DRAFT_VOCAB = 8192
 
 
+def demo_draft_vocab(head) -> Optional[int]:
+    """The draft vocabulary size the demo drafts `head` with: DEMO_DRAFT_VOCAB for an
+    EAGLE-1 head; None for an EAGLE-3 head (it drafts over the vocabulary it was trained
+    with) or none."""
+    return DEMO_DRAFT_VOCAB if head is not None and head.kind == "eagle1" else None
+
+
 def demo_ranking(target) -> Optional["object"]:
     """The shipped token ranking (scripts/make_demo.py --ranking) when `target` is the demo
     target, else None."""

@@ -26,7 +26,7 @@ def main():
     import eagle_mlx
     from eagle_mlx import distributed
     from eagle_mlx.cli import chat_prompt
-    from eagle_mlx.demo import DEMO_DRAFT_VOCAB, demo_paths
+    from eagle_mlx.demo import demo_draft_vocab, demo_paths
     from eagle_mlx.model import attach_draft_vocab
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -40,8 +40,8 @@ def main():
     if model_path is None:
         model_path, head_path = demo_paths()
     model, tok = eagle_mlx.load(str(model_path), eagle=str(head_path), group=group)
-    if args.model is None and model.head.kind == "eagle1":  # as the demo drafts
-        attach_draft_vocab(model.head, model.target, tok, DEMO_DRAFT_VOCAB)
+    if args.model is None and demo_draft_vocab(model.head):  # as the demo drafts
+        attach_draft_vocab(model.head, model.target, tok, demo_draft_vocab(model.head))
     ids = chat_prompt(tok, [{"role": "user", "content": PROMPT}])
 
     calls = {"n": 0, "bytes": 0}

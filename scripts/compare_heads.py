@@ -38,7 +38,7 @@ def main():
     from eagle_mlx.benchmark import depth_acceptance, load_prompts, parse_trees, run_one
     from eagle_mlx.checkpoint import load_head
     from eagle_mlx.cli import chat_prompt
-    from eagle_mlx.demo import DEMO_DRAFT_VOCAB, demo_target
+    from eagle_mlx.demo import demo_draft_vocab, demo_target
     from eagle_mlx.errors import EagleError
     from eagle_mlx.model import EagleModel, attach_draft_vocab
     from eagle_mlx.target import load_target
@@ -54,8 +54,8 @@ def main():
     models = []
     for h in args.heads:
         head = load_head(h, target)
-        if head.kind == "eagle1" and not args.model:
-            attach_draft_vocab(head, target, tok, DEMO_DRAFT_VOCAB)
+        if not args.model and demo_draft_vocab(head):  # as the demo drafts
+            attach_draft_vocab(head, target, tok, demo_draft_vocab(head))
         models.append(EagleModel(target, head, h))
     labels = [f"{m.head.kind} {m.head_path}" for m in models]
     prompts = load_prompts(["mt-bench", "humaneval"], args.num_prompts)
