@@ -28,6 +28,7 @@ from .errors import EagleError
 
 MAX_BODY_BYTES = 1 << 20  # default limit on a request body
 MAX_STOP_STRINGS = 4      # as OpenAI's API
+SHUTTING_DOWN = "the server is shutting down."
 
 
 class RequestError(Exception):
@@ -104,7 +105,7 @@ class Engine:
     def submit(self, job: Job) -> Job:
         with self.lock:
             if self.stopping:
-                job.events.put(("error", "the server is shutting down."))
+                job.events.put(("error", SHUTTING_DOWN))
             else:
                 self.jobs.put(job)
         return job
@@ -128,7 +129,7 @@ class Engine:
                 share_text(self.model.group, None)  # the other ranks stop too
                 return
             if job.cancelled.is_set() or self.stopping:
-                job.events.put(("error", "the server is shutting down."))
+                job.events.put(("error", SHUTTING_DOWN))
                 continue
             try:
                 self._run(job)

@@ -40,8 +40,9 @@ def main():
     if model_path is None:
         model_path, head_path = demo_paths()
     model, tok = eagle_mlx.load(str(model_path), eagle=str(head_path), group=group)
-    if args.model is None and demo_draft_vocab(model.head):  # as the demo drafts
-        attach_draft_vocab(model.head, model.target, tok, demo_draft_vocab(model.head))
+    n = demo_draft_vocab(model.head) if args.model is None else None
+    if n:  # as the demo drafts
+        attach_draft_vocab(model.head, model.target, tok, n)
     ids = chat_prompt(tok, [{"role": "user", "content": PROMPT}])
 
     calls = {"n": 0, "bytes": 0}

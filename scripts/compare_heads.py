@@ -54,8 +54,9 @@ def main():
     models = []
     for h in args.heads:
         head = load_head(h, target)
-        if not args.model and demo_draft_vocab(head):  # as the demo drafts
-            attach_draft_vocab(head, target, tok, demo_draft_vocab(head))
+        n = demo_draft_vocab(head) if not args.model else None
+        if n:  # as the demo drafts
+            attach_draft_vocab(head, target, tok, n)
         models.append(EagleModel(target, head, h))
     labels = [f"{m.head.kind} {m.head_path}" for m in models]
     prompts = load_prompts(["mt-bench", "humaneval"], args.num_prompts)
