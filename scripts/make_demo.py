@@ -50,7 +50,7 @@ def describe_data(data) -> str:
     if not data:
         return SHAREGPT
     return (f"{Path(data).name}: the target's own greedy answers (python -m eagle_mlx.regen) to "
-            "ShareGPT first turns, rendered with its chat template, loss on assistant tokens")
+            "ShareGPT user turns, rendered with its chat template, loss on assistant tokens")
 
 
 def main():
@@ -63,7 +63,7 @@ def main():
     p.add_argument("--work", default=None,
                    help="training run folder (default: build/demo_head, build/demo_head3 for eagle3)")
     p.add_argument("--fastblas", help="run the trainer through this launcher script")
-    p.add_argument("--data", help="train on this ShareGPT-style file (such as the target's own "
+    p.add_argument("--data", help="train on this ShareGPT-style file (such as a shard's "
                                   "answers from python -m eagle_mlx.regen) instead of ShareGPT")
     p.add_argument("--no-ship", action="store_true",
                    help="train only (compare first; ship later with --minutes 0)")

@@ -168,28 +168,53 @@ def test_a_run_starts_from_an_existing_head_and_counts_its_tokens(setup):
         assert np.array_equal(np.array(c[name + ".weight"]), np.array(want)), name
 
 
-def test_regen_writes_the_targets_own_answers_and_continues(setup, tmp_path):
-    """Answers written by the target (greedy) are what plain decoding of the same prompt
-    gives, the file continues where it stopped, and training reads it."""
+def test_regen_writes_the_targets_answers_and_features_and_continues(setup, tmp_path):
+    """regen's shards hold the target's own greedy answers (what plain decoding of the same
+    prompt gives), and its features equal the target's own forward over the same tokens
+    within float16 rounding (post-norm hidden state and the EAGLE-3 tap inputs); a second
+    run adds the rest, nothing twice; the answers read as training data."""
     import eagle_mlx
-    from eagle_mlx.cli import chat_prompt
+    from safetensors.numpy import load_file
     from eagle_mlx.regen import main as regen_main
 
-    root, target, data = setup
-    out = tmp_path / "answers.jsonl"
+    root, _, data = setup
+    target = make_hf_model(tmp_path / "target6", "llama", seed=3, vocab_size=64,
+                           num_hidden_layers=6, scale=4.0)
+    out = tmp_path / "features"
     args = ["--model", str(target), "--data", str(data), "--out", str(out), "--max-tokens", "12",
-            "--batch-size", "3", "--quiet"]
+            "--max-len", "96", "--batch-size", "3", "--shard-conversations", "2", "--quiet"]
     assert regen_main([*args, "--num-conversations", "4"]) == 0
     assert regen_main([*args, "--num-conversations", "7"]) == 0  # continues: 3 more
-    rows = [json.loads(l) for l in out.read_text().splitlines()]
-    assert [r["source_index"] for r in rows] == list(range(7))
-    model, tok = eagle_mlx.load(str(target))
-    source = load_conversations(str(data))
-    for r in rows[:3]:
-        prompt = [{"role": "user", "content": source[r["source_index"]][0]["content"]}]
-        want = eagle_mlx.generate(model, tok, chat_prompt(tok, prompt), max_tokens=12)
-        assert r["conversations"][-1]["value"] == want
-    assert len(load_conversations(str(out))) == 7
-    assert train_main(["--model", str(target), "--data", str(out), "--out", str(tmp_path / "run"),
-                       "--max-steps", "2", "--batch-size", "2", "--eval-conversations", "2",
-                       "--quiet"]) == 0
+    index = json.loads((out / "index.json").read_text())
+    sources = [i for s in index["shards"] for i in s["sources"]]
+    assert sorted(sources) == list(range(7))
+    t, tok = load_target(str(target))
+    model, _ = eagle_mlx.load(str(target))
+    eos = set(tok.eos_token_ids)
+    two_turns = 0
+    for s in index["shards"]:
+        a = load_file(str(out / s["file"]))
+        assert list(a["source"]) == s["sources"]
+        off = a["offsets"]
+        for j in range(len(off) - 1):
+            toks, mask = a["tokens"][off[j]:off[j + 1]], a["loss_mask"][off[j]:off[j + 1]]
+            hidden, taps = t(mx.array(toks)[None], taps=t.eagle3_taps)
+            for got, want in ((a["hidden"][off[j]:off[j + 1]], hidden[0]),
+                              (a["taps"][off[j]:off[j + 1]], mx.concatenate(taps, -1)[0])):
+                want = np.array(want)
+                assert got.shape == want.shape
+                assert (np.abs(got.astype(np.float32) - want) <= 1e-3 * np.abs(want) + 1e-4).all()
+            # the last answer: the trailing run of loss-mask ones, greedy from its prompt
+            start = len(mask) - int(np.argmin(mask[::-1])) if not mask.all() else 0
+            answer = [int(x) for x in toks[start:]]
+            plain = [x for r in eagle_mlx.stream_generate(model, tok, [int(x) for x in toks[:start]],
+                                                          max_tokens=len(answer))
+                     for x in r.tokens]
+            assert plain == [x for x in answer if x not in eos][: len(plain)]
+            assert len(plain) == len([x for x in answer if x not in eos])
+            two_turns += int(mask[:start].sum() > 0)  # an earlier answer is in the history
+    assert two_turns > 0
+    answers = [json.loads(line) for s in index["shards"]
+               for line in (out / s["text"]).read_text().splitlines()]
+    assert len(load_conversations(str(out / index["shards"][0]["text"]))) == 2
+    assert sorted(r["source_index"] for r in answers) == list(range(7))
