@@ -1,11 +1,13 @@
 """KV cache for tree verification: append a whole tree, then keep only the accepted rows."""
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+
+from .mlxlm import KVCache
 
 
 class TreeKVCache(KVCache):
-    """mlx-lm's pre-allocated KV cache (grown in steps of 256 slots) plus `keep`.
+    """mlx-lm's pre-allocated KV cache (grown in steps of 256 slots) plus `keep`, the one
+    thing a tree needs that mlx-lm lacks (its `trim` drops a tail; a tree keeps a path).
 
     A verify pass appends T tree rows after `offset`; `keep` then gathers the
     accepted ones into contiguous slots and sets the length, without re-running
@@ -20,5 +22,10 @@ class TreeKVCache(KVCache):
         self.offset = start + n
 
     def truncate(self, length: int) -> None:
-        """Forget everything after the first `length` slots."""
-        self.offset = min(self.offset, length)
+        """Forget everything after the first `length` slots (mlx-lm's `trim`)."""
+        if length < self.offset:
+            self.trim(self.offset - length)
+
+    def arrays(self):
+        """The buffers to evaluate once a cycle has updated them."""
+        return () if self.keys is None else (self.keys, self.values)

@@ -5,4 +5,5 @@ mlx-lm builds, loads and runs the models (`load_model`, `load_tokenizer`, the ca
 in one file: pyproject's lower bound is the oldest mlx-lm the suite passes with.
 """
 
-from mlx_lm.models.cache import BatchKVCache  # noqa: F401
+from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: F401
+from mlx_lm.generate import generate_step  # noqa: F401

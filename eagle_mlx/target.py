@@ -28,6 +28,36 @@ from .values import DTYPE_CHOICES
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 
 
+class AttentionMechanism:
+    """The layer mechanism of a standard decoder layer (norm -> attention -> norm -> MLP or
+    MoE): what it needs in a tree verify (per-token positions, the tree mask) and what its
+    cache does after acceptance (keep the accepted rows). Other kinds of layer (sliding
+    windows, recurrent state) bring their own mechanism with the same four methods."""
+
+    def make_cache(self):
+        return TreeKVCache()
+
+    def __call__(self, target, layer, h, cache, positions, mask):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        r = attention(
+            attn, attn.q_proj(x), attn.k_proj(x), attn.v_proj(x),
+            target.n_heads, target.n_kv_heads, cache, positions, mask,
+        )
+        h = h + attn.o_proj(r)
+        ffn = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
+        return h + ffn(layer.post_attention_layernorm(h))
+
+    def accept(self, cache, start: int, rows: mx.array) -> None:
+        cache.keep(start, rows)
+
+    def truncate(self, cache, length: int) -> None:
+        cache.truncate(length)
+
+
+ATTENTION = AttentionMechanism()
+
+
 class Target:
     """A loaded mlx-lm model plus the tree forward pass."""
 
@@ -44,6 +74,7 @@ class Target:
         attn = self.layers[0].self_attn
         self.n_heads = getattr(attn, "n_heads", None) or attn.num_heads
         self.n_kv_heads = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
+        self.mechanisms = [ATTENTION] * self.num_layers  # one per decoder layer
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -59,8 +90,23 @@ class Target:
         L = self.num_layers
         return tuple(sorted({2, L // 2, L - 3}))
 
-    def make_cache(self) -> List[TreeKVCache]:
-        return [TreeKVCache() for _ in self.layers]
+    def make_cache(self) -> list:
+        return [m.make_cache() for m in self.mechanisms]
+
+    def accept(self, caches, start: int, rows: mx.array) -> None:
+        """After a verify pass: every layer keeps the accepted tree rows `rows` (absolute
+        positions, root first) at start.."""
+        for m, c in zip(self.mechanisms, caches):
+            m.accept(c, start, rows)
+
+    def truncate(self, caches, length: int) -> None:
+        """Every layer forgets what follows the first `length` positions."""
+        for m, c in zip(self.mechanisms, caches):
+            m.truncate(c, length)
+
+    @staticmethod
+    def cache_arrays(caches) -> list:
+        return [a for c in caches for a in c.arrays()]
 
     def lm_head(self, hidden: mx.array) -> mx.array:
         if hasattr(self.model, "lm_head"):
@@ -87,22 +133,11 @@ class Target:
         h = self.embed_tokens(tokens)
         cache = cache if cache is not None else [None] * self.num_layers
         tapped = {}
-        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+        for i, (mech, layer, c) in enumerate(zip(self.mechanisms, self.layers, cache)):
             if i in taps:
                 tapped[i] = h
-            h = self._layer(layer, h, c, positions, mask)
+            h = mech(self, layer, h, c, positions, mask)
         return self.model.model.norm(h), [tapped[i] for i in taps]
-
-    def _layer(self, layer, h, cache, positions, mask):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        r = attention(
-            attn, attn.q_proj(x), attn.k_proj(x), attn.v_proj(x),
-            self.n_heads, self.n_kv_heads, cache, positions, mask,
-        )
-        h = h + attn.o_proj(r)
-        ffn = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
-        return h + ffn(layer.post_attention_layernorm(h))
 
 
 def read_config(path: Path, what: str = "model") -> dict:

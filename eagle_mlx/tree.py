@@ -1,10 +1,12 @@
 """Drafting a tree with an EAGLE head (docs/eagle.md §1 step 2).
 
-Both trees come out in the same form, ready for one verify pass:
+Every drafter's proposal comes out in the same form, ready for one verify pass:
   tokens  [N]  target token ids, node 0 = the root (the last sampled token)
   parents [N]  parent node of each node (the root is its own parent); parents precede children
-  anc     [N, N] ancestor-or-self mask: the tree attention mask
-  depth   [N]  distance from the root: the position offset of each node
+  scores  [N]  the drafter's score of each node (log-probability of its path for a head; the
+               root 0); lazy, so it costs nothing where no one reads it
+  anc     [N, N] ancestor-or-self mask: the tree attention mask (derived from parents)
+  depth   [N]  distance from the root: the position offset of each node (derived from parents)
 
 The dynamic tree (EAGLE-2) grows `depth` levels keeping the best `draft_top_k` frontier
 nodes by cumulative log-probability, then keeps the `total_tokens - 1` best nodes of the
@@ -13,7 +15,7 @@ Everything is built as lazy MLX graphs: one head call per level, no loop over no
 """
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -34,6 +36,15 @@ class Tree:
     parents: mx.array
     anc: mx.array
     depth: mx.array
+    scores: Optional[mx.array] = None
+
+
+def tree_from_parents(tokens: mx.array, parents: mx.array, scores: mx.array,
+                      max_depth: int) -> Tree:
+    """A Tree from its tokens, parent pointers and scores (nodes at most `max_depth` below
+    the root): the ancestor mask and depths follow."""
+    anc = ancestors(parents, max_depth)
+    return Tree(tokens, parents, anc, anc.sum(axis=1) - 1, scores)
 
 
 def _topk(x: mx.array, k: int):
@@ -89,7 +100,8 @@ def _rerank(n: int, top_k: int, depth: int, all_scores, all_tokens, all_parents,
     parents = mx.concatenate([mx.zeros((1,), dtype=parent_node.dtype), parent_node])
     tokens = mx.concatenate([root.reshape(1).astype(node_tokens.dtype), node_tokens])
     anc = ancestors(parents, depth + 1)
-    return tokens, parents, anc, anc.sum(axis=1) - 1
+    scores = mx.concatenate([mx.zeros((1,), dtype=all_scores.dtype), all_scores[keep]])
+    return tokens, parents, anc, anc.sum(axis=1) - 1, scores
 
 
 def _tree_step_mask(stable: int, tree_mask: mx.array) -> mx.array:
@@ -189,7 +201,10 @@ class StaticTree:
         out = head(features[None], tokens[None], embed, cache)
         stable = cache.offset
         logits = head.logits(out[0, -1:], target)              # [1, V]
-        topk_ids = [head.to_target_ids(_topk(logits, self.top_k)[0])]   # per step: [parents, k]
+        first_ids = _topk(logits, self.top_k)[0]
+        first_lp = mx.take_along_axis(_log_softmax(logits), first_ids, axis=-1)
+        topk_ids = [head.to_target_ids(first_ids)]             # per step: [parents, k]
+        topk_lp = [first_lp]                                   # their log-probabilities
         hidden = out[:, -1:]
         for d, level in enumerate(self.fed):
             hidden = hidden[:, self.hidden_index[d]]            # [1, fed, H]
@@ -198,11 +213,18 @@ class StaticTree:
             out = head(hidden, toks[None], embed, cache, positions=positions,
                        mask=_tree_step_mask(stable, self.step_masks[d]))
             hidden = out
-            topk_ids.append(head.to_target_ids(_topk(head.logits(out[0], target), self.top_k)[0]))
+            logits = head.logits(out[0], target)
+            ids = _topk(logits, self.top_k)[0]
+            topk_ids.append(head.to_target_ids(ids))
+            topk_lp.append(mx.take_along_axis(_log_softmax(logits), ids, axis=-1))
         cache.truncate(stable)
         node_tokens = [topk_ids[d].reshape(-1)[self.token_index[d]] for d in range(self.max_depth)]
         tokens = mx.concatenate([root.reshape(1).astype(node_tokens[0].dtype)] + node_tokens)
-        return Tree(tokens, self.parents, self.anc, self.depth)
+        # a node's score: its own log-probability plus its parent's (parents precede children)
+        own = mx.concatenate([mx.zeros((1,))] + [topk_lp[d].reshape(-1)[self.token_index[d]]
+                                                  for d in range(self.max_depth)])
+        scores = (self.anc.astype(own.dtype) * own[None, :]).sum(axis=1)
+        return Tree(tokens, self.parents, self.anc, self.depth, scores)
 
 
 def retrieve_indices(parents: List[int], leaf_order: str = "index") -> List[List[int]]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import eagle_mlx
-from eagle_mlx import EagleError, speculative
+from eagle_mlx import EagleError, engine
 from eagle_mlx.speculative import SamplingParams, eagle_steps
 from eagle_mlx.tree import MC_SIM_7B_63, StaticTree, Tree, retrieve_indices
 from tiny import ORACLE, make_eagle_head, make_hf_model, oracle_reference, requires_oracle
@@ -396,7 +396,7 @@ def test_temperature_one_accepts_more_than_exact_match(monkeypatch):
 
     eagle_chain = mean_tau(tree_choices=chain, draft_top_k=1)
     eagle_tree = mean_tau(total_tokens=16, depth=4, draft_top_k=4)
-    monkeypatch.setattr(speculative, "accept_sampling", _exact_match_rule)
+    monkeypatch.setattr(engine, "accept_sampling", _exact_match_rule)
     monkeypatch.setattr(StaticTree, "draft", _sampled_chain_draft)
     exact_match = mean_tau(tree_choices=chain, draft_top_k=1)
     print(f"tau at temp 1: exact match {exact_match:.2f}, EAGLE chain {eagle_chain:.2f}, "

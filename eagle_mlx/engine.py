@@ -1,0 +1,187 @@
+"""The speculative decoding engine (docs/eagle.md §1): explicit state, one target forward
+pass per cycle.
+
+    state = engine.new_state(); engine.prefill(state, prompt)
+    while engine.fits(state): step = engine.cycle(state)   # draft -> verify -> accept -> update
+
+A cycle is one lazy MLX graph (the drafter's catch-up and proposal, the verify pass,
+acceptance) synchronised with the host once, to learn which nodes were accepted (marked
+`SYNC`). The drafter is anything that implements `drafters.Drafter`; the target's layers
+each bring their own mechanism (`target.Target.mechanisms`): how they run in a tree
+verify and what their caches keep after acceptance. Prompt caching, profiling and tracing
+are layered around the cycle by the callers (`speculative.py`, `profiling.py`).
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .accept import accept_greedy, accept_sampling, process_logits
+from .tree import Tree
+
+
+@dataclass
+class Step:
+    tokens: List[int]             # tokens this target forward produced
+    accept_length: Optional[int]  # drafted tokens accepted (None for the prefill)
+    tree: Optional[dict] = None   # when traced: the verified tree (tokens, parents, depth)
+    drafted: Optional[Tree] = field(default=None, repr=False)  # the verified tree itself
+    tree_tokens: Optional[List[int]] = field(default=None, repr=False)  # its tokens, synced
+
+
+@dataclass
+class SamplingParams:
+    """mlx-lm's sampling settings, meant as `mlx_lm.sample_utils.make_sampler` means them:
+    top-p, min-p and top-k filter the untempered distribution, then the temperature."""
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    def logprobs(self, logits: mx.array) -> mx.array:
+        """The distribution tokens are drawn from, as normalised log-probabilities."""
+        return process_logits(logits, self.temp, self.top_p, self.top_k, self.min_p)
+
+    def pick(self, logits: mx.array) -> mx.array:
+        """The next token from target logits (or log-probabilities) [V]."""
+        if self.temp == 0:
+            return logits.argmax(axis=-1)
+        return mx.random.categorical(self.logprobs(logits))
+
+
+# a stream for generation work, as mlx-lm's (a thread-local one: every thread that
+# generates gets its own)
+generation_stream = getattr(mx, "new_thread_local_stream", mx.new_stream)(mx.default_device())
+PREFILL_STEP_SIZE = 2048  # prompt tokens per prefill chunk, as mlx-lm's generate_step
+
+
+@dataclass
+class State:
+    """One sequence being decoded."""
+
+    caches: list                        # the target's per-layer caches
+    drafter: object                     # the drafter's own state
+    n: int = 0                          # positions the target caches hold
+    feats: Optional[mx.array] = None    # [m, F] target features the drafter has not seen
+    tokens: Optional[mx.array] = None   # [m] the tokens that follow them, the root last
+    root: Optional[mx.array] = None     # the last sampled token: node 0 of the next tree
+    history: List[int] = field(default_factory=list)  # every token fed or to feed, root last
+
+
+@dataclass
+class Verified:
+    hidden: mx.array
+    tapped: list
+    logits: mx.array
+
+
+class Engine:
+    def __init__(self, target, drafter, sampling: SamplingParams, max_context: int):
+        self.target, self.drafter, self.sampling = target, drafter, sampling
+        self.max_context = max_context
+        self.taps = tuple(drafter.features or ())
+
+    def new_state(self) -> State:
+        return State(self.target.make_cache(), self.drafter.new_state())
+
+    def fits(self, state: State) -> bool:
+        """Whether a whole tree still fits in the context after what the caches hold."""
+        return state.n + self.drafter.max_depth < self.max_context
+
+    def _features(self, hidden, tapped) -> Optional[mx.array]:
+        # EAGLE-1/2: post-norm last hidden state; EAGLE-3: the tap layers' inputs
+        if self.drafter.features is None:
+            return None
+        return (mx.concatenate(tapped, axis=-1) if self.taps else hidden)[0]
+
+    # ---------------------------------------------------------------- prefill
+    def prefill(self, state: State, prompt: Sequence[int], start: int = 0) -> int:
+        """Feed prompt[start:] (the caches hold prompt[:start], and `state.feats` the
+        features the drafter has not seen of those) in chunks; sample the root token."""
+        target = self.target
+        prompt_ids = mx.array(list(prompt))
+        chunks = [] if state.feats is None else [state.feats]
+        with mx.stream(generation_stream):
+            for a in range(start, len(prompt), PREFILL_STEP_SIZE):
+                hidden, tapped = target(prompt_ids[None, a: a + PREFILL_STEP_SIZE],
+                                        state.caches, taps=self.taps)
+                f = self._features(hidden, tapped)
+                if f is not None:
+                    chunks.append(f)
+                if a + PREFILL_STEP_SIZE < len(prompt):
+                    mx.eval(hidden, chunks, target.cache_arrays(state.caches))
+                    mx.clear_cache()
+            root = self.sampling.pick(target.lm_head(hidden[0, -1]))
+            state.feats = (mx.concatenate(chunks) if len(chunks) > 1 else chunks[0]) \
+                if chunks else None   # [n - drafter offset, F]
+            seen = self.drafter.offset(state.drafter)
+            state.tokens = mx.concatenate([prompt_ids[seen + 1:],
+                                           root.reshape(1).astype(prompt_ids.dtype)])
+        state.n, state.root = len(prompt), root
+        root_token = root.item()  # SYNC: the first token is output now
+        state.history = list(prompt) + [root_token]
+        return root_token
+
+    # ---------------------------------------------------------------- the cycle
+    def cycle(self, state: State) -> Step:
+        with mx.stream(generation_stream):
+            tree = self.draft(state)
+            verified = self.verify(state, tree)
+            accepted = self.accept(tree, verified)
+            return self.update(state, tree, verified, accepted)
+
+    def draft(self, state: State) -> Tree:
+        """1. the drafter catches up on the new positions and proposes a tree."""
+        return self.drafter.propose(state.drafter, state.feats, state.tokens, state.root)
+
+    def verify(self, state: State, tree: Tree) -> Verified:
+        """2. one target forward over the whole tree, after the n cached positions."""
+        size = tree.tokens.shape[0]
+        mask = mx.concatenate([mx.ones((size, state.n), dtype=mx.bool_), tree.anc], axis=1)
+        hidden, tapped = self.target(tree.tokens[None], state.caches,
+                                     positions=state.n + tree.depth, mask=mask, taps=self.taps)
+        return Verified(hidden, tapped, self.target.lm_head(hidden[0]))   # logits [size, V]
+
+    def accept(self, tree: Tree, verified: Verified):
+        """3. the deepest node whose whole path the target agrees with, and the bonus token."""
+        if self.sampling.temp == 0:
+            best, bonus = accept_greedy(tree, verified.logits)
+        else:
+            best, bonus = accept_sampling(tree, self.sampling.logprobs(verified.logits))
+        return tree.anc[best], bonus
+
+    def update(self, state: State, tree: Tree, verified: Verified, accepted) -> Step:
+        """4. keep the accepted rows of every layer's cache, hand their features on."""
+        path_mask, bonus = accepted
+        # SYNC (once per cycle): which nodes were accepted, and the next root token
+        mx.eval(path_mask, tree.tokens, bonus)
+        path = np.flatnonzero(np.array(path_mask)).tolist()  # root first: parents precede
+        tokens = tree.tokens.tolist()
+        root_token = bonus.item()
+        path_idx = mx.array(path)
+        self.target.accept(state.caches, state.n, state.n + path_idx)
+        state.n += len(path)
+        f = self._features(verified.hidden, verified.tapped)
+        state.feats = None if f is None else f[path_idx]
+        out = [tokens[i] for i in path[1:]] + [root_token]
+        state.tokens = mx.array(out, dtype=mx.int32)
+        state.root = mx.array(root_token)
+        # the device keeps the accepted rows while the caller handles the tokens
+        # (mlx-lm's async_eval pattern): the next cycle starts from evaluated caches
+        mx.async_eval(*([] if state.feats is None else [state.feats]),
+                      *self.target.cache_arrays(state.caches))
+        state.history += out
+        return Step(out, len(path) - 1, drafted=tree, tree_tokens=tokens)
+
+    def plain_step(self, state: State) -> Step:
+        """One token without a tree (near the end of the context, where none fits)."""
+        with mx.stream(generation_stream):
+            hidden, _ = self.target(state.root.reshape(1, 1), state.caches)
+            state.n += 1
+            state.root = self.sampling.pick(self.target.lm_head(hidden[0, -1]))
+        token = state.root.item()  # SYNC: one token per step here
+        state.history.append(token)
+        return Step([token], 0)
