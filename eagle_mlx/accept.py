@@ -15,8 +15,8 @@ token comes from p with all children zeroed. The output distribution is the targ
 """
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from . import mlxlm
 from .compiled import compiled
 from .tree import Tree
 
@@ -25,11 +25,11 @@ def _process_logits(temp: float, top_p: float, top_k: int, min_p: float, logits:
     logprobs = logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     if 0 < top_p < 1.0:
-        logprobs = apply_top_p(logprobs, top_p)
+        logprobs = mlxlm.apply_top_p(logprobs, top_p)
     if min_p > 0:
-        logprobs = apply_min_p(logprobs, min_p)
+        logprobs = mlxlm.apply_min_p(logprobs, min_p)
     if 0 < top_k < logits.shape[-1]:
-        logprobs = apply_top_k(logprobs, top_k)
+        logprobs = mlxlm.apply_top_k(logprobs, top_k)
     logprobs = logprobs * (1 / temp)
     return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
 

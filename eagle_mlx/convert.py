@@ -46,7 +46,7 @@ def build_parser() -> ArgumentParser:
 def save_target(target, tokenizer, out: Path, dtype=None, q_bits=None, q_group_size=64) -> None:
     """An MLX model folder (config.json, safetensors, tokenizer) for a loaded target, as
     mlx-lm writes it; per-layer bits of a GGUF's quantized tensors are kept."""
-    from mlx_lm.utils import quantize_model, save_config, save_model
+    from .mlxlm import quantize_model, save_config, save_model
 
     from .gguf import FreqsRoPE, quantization_config
     from .target import convert_dtype
@@ -106,7 +106,7 @@ def _main(argv) -> int:
         if str(target.path).lower().endswith(".gguf"):
             save_target(target, tokenizer, model_out, args.dtype, q_bits, args.q_group_size)
         else:
-            from mlx_lm import convert as mlx_convert
+            from .mlxlm import convert as mlx_convert
 
             def write_target(tmp: Path):
                 mlx_convert(str(target.path), mlx_path=str(tmp), quantize=args.quantize,

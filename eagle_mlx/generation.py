@@ -157,9 +157,9 @@ def stream_generate(
     else:
         steps = eagle_steps(target, model.head, ids, sampling, total_tokens, depth,
                             draft_top_k, tree_choices, max_context, prompt_cache=prompt_cache)
-    from mlx_lm.generate import wired_limit
+    from . import mlxlm
 
-    with wired_limit(target.model, [generation_stream]):
+    with mlxlm.wired_limit(target.model, [generation_stream]):
         try:
             yield from _responses(tokenizer, ids, steps, max_tokens)
         finally:
@@ -171,10 +171,10 @@ def _settle(steps) -> None:
     """Finish what a generation left queued before anything else communicates: mlx-lm's
     plain decoding evaluates one step ahead on its own stream, and collectives queued on
     two streams could pair up differently on different ranks."""
-    from mlx_lm.generate import generation_stream as lm_stream
+    from . import mlxlm
 
     steps.close()
-    mx.synchronize(lm_stream)
+    mx.synchronize(mlxlm.generation_stream)
     mx.synchronize(generation_stream)
 
 

@@ -392,17 +392,25 @@ class FreqsRoPE(nn.Module):
                             freqs=self._freqs)
 
 
+def _packed_as(path: str, module: nn.Module, weights: Dict[str, mx.array]) -> dict:
+    """The group size and bits a layer's weights were packed with here (affine): read off
+    the shapes of its packed weight and scales."""
+    in_dims = module.weight.shape[-1]
+    return {"group_size": in_dims // weights[f"{path}.scales"].shape[-1],
+            "bits": weights[f"{path}.weight"].shape[-1] * 32 // in_dims, "mode": "affine"}
+
+
 def build_model(config: dict, weights: Dict[str, mx.array], rope_factors=None) -> nn.Module:
     """An mlx-lm model from a config and its weights, quantizing exactly the layers whose
     weights come with scales (each with its own bits)."""
-    from mlx_lm.utils import _get_classes, infer_quant_config
+    from .mlxlm import model_module
 
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    arch = model_module(config["model_type"])
+    model = arch.Model(arch.ModelArgs.from_dict(config))
     weights = model.sanitize(dict(weights))
     nn.quantize(model, group_size=32, bits=4,
                 class_predicate=lambda p, m: (hasattr(m, "to_quantized") and f"{p}.scales" in weights
-                                              and infer_quant_config(p, m, weights)))
+                                              and _packed_as(p, m, weights)))
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
     if rope_factors is not None:
@@ -467,8 +475,7 @@ def _merges_from_scores(tokens: List[str], scores: List[float]) -> List[Tuple[st
 
 def build_tokenizer(meta: dict, path: Path):
     """mlx-lm's TokenizerWrapper for the vocabulary in the GGUF metadata."""
-    from mlx_lm.tokenizer_utils import (BPEStreamingDetokenizer, SPMStreamingDetokenizer,
-                                        TokenizerWrapper)
+    from .mlxlm import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 

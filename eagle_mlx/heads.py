@@ -16,8 +16,8 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.rope_utils import initialize_rope
 
+from . import mlxlm
 from .cache import TreeKVCache
 from .layers import attention
 
@@ -89,8 +89,8 @@ class HeadAttention(nn.Module):
             "linear", "dynamic", "llama3"
         ):
             scaling = None
-        self.rope = initialize_rope(D, args.rope_theta, False, scaling,
-                                    args.max_position_embeddings)
+        self.rope = mlxlm.initialize_rope(D, args.rope_theta, False, scaling,
+                                          args.max_position_embeddings)
 
     def __call__(self, x, cache, positions, mask):
         return self.o_proj(attention(

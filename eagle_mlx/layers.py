@@ -7,10 +7,11 @@ attention through `attention()`, so a tree of T tokens is one call whatever the 
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
+
+from . import mlxlm
 
 
-def _dynamic_ntk_freqs(rope: DynamicNTKScalingRoPE, seq_len: mx.array) -> mx.array:
+def _dynamic_ntk_freqs(rope, seq_len: mx.array) -> mx.array:
     # The same rule as mlx-lm and transformers: grow the base once the sequence
     # (here: the largest position + 1) passes max_position_embeddings.
     d = rope.dims
@@ -32,7 +33,7 @@ def apply_rope(rope, x: mx.array, offset: int, positions: Optional[mx.array]) ->
     if x.shape[0] != 1:
         raise ValueError("per-token positions need batch size 1")
     xt = x.transpose(2, 1, 0, 3)  # [T, heads, 1, D]
-    if isinstance(rope, DynamicNTKScalingRoPE):
+    if isinstance(rope, mlxlm.DynamicNTKScalingRoPE):
         freqs = _dynamic_ntk_freqs(rope, positions.max() + 1)
         out = mx.fast.rope(
             xt, rope.dims, traditional=rope.traditional, base=None, scale=1.0,

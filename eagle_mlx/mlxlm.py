@@ -1,9 +1,57 @@
 """The one place the package imports mlx-lm: every name it uses, public ones only.
 
-mlx-lm builds, loads and runs the models (`load_model`, `load_tokenizer`, the cache classes,
-`generate_step`, `make_sampler`, ...). Importing them here, once, keeps the version contract
-in one file: pyproject's lower bound is the oldest mlx-lm the suite passes with.
+mlx-lm builds, loads and runs the models; this module names what the package takes from it,
+so the version contract lives in one file (pyproject's lower bound is the oldest mlx-lm the
+suite passes with). Importing mlx-lm costs seconds, so each name is imported when first
+used (`mlxlm.load_model`), not when this module is: a tool refuses a bad flag before that.
 """
 
-from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: F401
-from mlx_lm.generate import generate_step  # noqa: F401
+import importlib
+
+# name -> the public mlx-lm module that defines it
+_NAMES = {
+    "BatchKVCache": "mlx_lm.models.cache",
+    "KVCache": "mlx_lm.models.cache",
+    "make_prompt_cache": "mlx_lm.models.cache",
+    "DynamicNTKScalingRoPE": "mlx_lm.models.rope_utils",
+    "initialize_rope": "mlx_lm.models.rope_utils",
+    "apply_min_p": "mlx_lm.sample_utils",
+    "apply_top_k": "mlx_lm.sample_utils",
+    "apply_top_p": "mlx_lm.sample_utils",
+    "make_sampler": "mlx_lm.sample_utils",
+    "generate_step": "mlx_lm.generate",
+    "generation_stream": "mlx_lm.generate",
+    "wired_limit": "mlx_lm.generate",
+    "DEFAULT_ALLOW_PATTERNS": "mlx_lm.utils",
+    "dequantize_model": "mlx_lm.utils",
+    "MODEL_REMAPPING": "mlx_lm.utils",
+    "load_model": "mlx_lm.utils",
+    "load_tokenizer": "mlx_lm.utils",
+    "quantize_model": "mlx_lm.utils",
+    "save_config": "mlx_lm.utils",
+    "save_model": "mlx_lm.utils",
+    "BPEStreamingDetokenizer": "mlx_lm.tokenizer_utils",
+    "SPMStreamingDetokenizer": "mlx_lm.tokenizer_utils",
+    "NaiveStreamingDetokenizer": "mlx_lm.tokenizer_utils",
+    "TokenizerWrapper": "mlx_lm.tokenizer_utils",
+}
+
+
+def __getattr__(name):
+    if name not in _NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def model_module(model_type: str):
+    """mlx-lm's module for a model type (`mlx_lm.models.<type>`: its Model and ModelArgs),
+    through mlx-lm's own remapping (mistral is its llama module)."""
+    model_type = __getattr__("MODEL_REMAPPING").get(model_type, model_type)
+    return importlib.import_module(f"mlx_lm.models.{model_type}")
+
+
+def convert(*args, **kwargs):
+    """mlx-lm's own converter (`mlx_lm.convert`)."""
+    return importlib.import_module("mlx_lm").convert(*args, **kwargs)

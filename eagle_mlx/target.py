@@ -211,25 +211,23 @@ def resolve_dtype(dtype: Optional[str]) -> Optional[mx.Dtype]:
 
 
 def convert_dtype(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
-    """Dequantize every quantized layer (in float32, exactly) and cast the float weights."""
-    from mlx.utils import tree_map, tree_unflatten
+    """Dequantize every quantized layer (in float32, exactly) and cast the float weights.
 
-    swaps = []
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            w = mx.dequantize(m.weight, m.scales.astype(mx.float32),
-                              None if m.biases is None else m.biases.astype(mx.float32),
-                              m.group_size, m.bits, mode=m.mode)
-            if isinstance(m, nn.QuantizedEmbedding):
-                new = nn.Embedding(*w.shape)
-            else:
-                new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
-                if "bias" in m:
-                    new.bias = m.bias
-            new.weight = w
-            swaps.append((name, new))
-    if swaps:
-        model.update_modules(tree_unflatten(swaps))
+    mlx-lm's own `dequantize_model` does the dequantizing, so every quantized class it knows
+    (linear, embedding, and the experts' `QuantizedSwitchLinear` of MoE models) comes back as
+    its float twin; their scales and biases are first taken to float32, so that the
+    dequantized weights are exact before the cast."""
+    from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+    from . import mlxlm
+
+    quantized = [name for name, m in model.named_modules() if hasattr(m, "scales")]
+    if quantized:
+        params = dict(tree_flatten(model.parameters()))
+        model.update(tree_unflatten([
+            (k, v.astype(mx.float32)) for k, v in params.items()
+            if k.rsplit(".", 1)[0] in quantized and k.rsplit(".", 1)[-1] in ("scales", "biases")]))
+        model = mlxlm.dequantize_model(model)
     model.update(tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a,
                           model.parameters()))
     return model
@@ -255,9 +253,10 @@ def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = No
         path = gguf_file
         model, config, tokenizer = load_gguf(gguf_file)
     else:
-        from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # not a repo's original/ checkpoints
+        from . import mlxlm
 
-        path = resolve(path_or_repo, "model", allow_patterns=DEFAULT_ALLOW_PATTERNS)
+        # not a repo's original/ checkpoints
+        path = resolve(path_or_repo, "model", allow_patterns=mlxlm.DEFAULT_ALLOW_PATTERNS)
         model, config, tokenizer = _load_mlx_lm(path, lazy or group is not None)
     if convert_to is not None:
         model = convert_dtype(model, convert_to)
@@ -271,7 +270,7 @@ def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = No
 
 
 def _load_mlx_lm(path: Path, lazy: bool):
-    from mlx_lm.utils import load_model, load_tokenizer
+    from .mlxlm import load_model, load_tokenizer
 
     config = read_config(path)
     model_type = config.get("model_type")

@@ -33,8 +33,9 @@ def main():
     p.add_argument("--reps", type=int, default=30)
     args = p.parse_args()
 
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.models.llama import Model, ModelArgs
+    from eagle_mlx.mlxlm import make_prompt_cache, model_module
+
+    Model, ModelArgs = model_module("llama").Model, model_module("llama").ModelArgs
 
     config = {"model_type": "llama", "hidden_size": args.hidden, "num_hidden_layers": args.layers,
               "intermediate_size": args.hidden * 11 // 4, "num_attention_heads": args.hidden // 64,

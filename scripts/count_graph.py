@@ -40,7 +40,7 @@ logits = target.lm_head(hid[0])
 best, bonus = accept_greedy(tree, logits)
 whole = count(tree.anc[best], bonus)
 # mlx-lm's own forward of 16 tokens after the same 40-token cache, for comparison
-from mlx_lm.models.cache import make_prompt_cache
+from eagle_mlx.mlxlm import make_prompt_cache
 pc = make_prompt_cache(target.model); target.model(ids[None], cache=pc); mx.eval([c.state for c in pc])
 ref = count(target.model(mx.array([list(range(16))]), cache=pc))
 print(f"draft_vocab {n or 'full'}: draft {d} nodes, verify+accept {whole - d}, cycle {whole}; "

@@ -242,3 +242,39 @@ def test_eos_ids_include_generation_config(tiny_dir, tmp_path, monkeypatch):
     load_target("some-org/some-model")
     assert "model*.safetensors" in seen["patterns"]
     assert not any("original" in p or p in ("*", "*.pth", "*.bin") for p in seen["patterns"])
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_auto_dtype_dequantizes_a_quantized_moe_to_float32_exactly(tiny_dir, tmp_path, name):
+    """dtype="auto" on the CPU leaves no quantized module, the experts' included, and the
+    float32 model gives the logits mlx-lm's own forward gives on the quantized weights."""
+    import mlx.nn as nn
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    from eagle_mlx.target import _config_overrides, read_config
+
+    # mlx-lm quantizes and saves (its convert reads the config keys transformers 5 renamed
+    # only through the translation the loader applies)
+    src, qdir = tiny_dir(name), tmp_path / "q4"
+    model, config = load_model(src, model_config=_config_overrides(read_config(src)))
+    model, config = quantize_model(model, config, group_size=32, bits=4)
+    save_model(qdir, model)
+    save_config(config, qdir / "config.json")
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, qdir / f.name)
+    target, _ = load_target(str(qdir), dtype="auto")
+    left = [n for n, m in target.model.named_modules() if "Quantized" in type(m).__name__]
+    assert not left, left
+    switch = [n for n, m in target.model.named_modules() if type(m).__name__ == "SwitchLinear"]
+    assert switch  # the experts came back as mlx-lm's float SwitchLinear
+    from mlx.utils import tree_flatten
+
+    assert all(v.dtype == mx.float32 for _, v in tree_flatten(target.model.parameters())
+               if mx.issubdtype(v.dtype, mx.floating))
+    # mlx-lm, quantized as stored (the config keys transformers 5 renamed, translated back)
+    reference, _ = load_model(qdir, model_config=_config_overrides(read_config(qdir)))
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in reference.named_modules())
+    tokens = mx.array([np.random.default_rng(1).integers(3, 200, 12).tolist()])
+    want = np.array(reference(tokens).astype(mx.float32))
+    got = np.array(target.model(tokens))
+    np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max(), rtol=0)
