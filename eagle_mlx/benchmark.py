@@ -328,8 +328,8 @@ def build_parser():
     return p
 
 
-def _main(argv):
-    args = build_parser().parse_args(argv)
+def check_args(args):
+    """Every flag's value, before anything loads; returns the trees to measure."""
     if args.num_prompts < 1:
         raise UsageError(f"--num-prompts must be at least 1 (got {args.num_prompts}).")
     if args.max_tokens < 2:
@@ -348,6 +348,136 @@ def _main(argv):
     if args.draft_vocabs is not None and any(n < 0 for n in args.draft_vocabs):
         raise UsageError(f"--draft-vocabs must be 0 (the whole vocabulary) or positive sizes "
                          f"(got {args.draft_vocabs}).")
+    return trees
+
+
+def measure_prompt(model, tokenizer, ids, args, trees, default, temp, seed, count_graph):
+    """One prompt at one temperature: plain decoding, then each tree (interleaved, so the
+    machine's drift hits them alike), then a profile of the default tree's cycle phases
+    (`count_graph`: also count the graph operations of each phase)."""
+    from .profiling import GraphCounter, PhaseTimer
+
+    row = {"prompt_tokens": len(ids), "temp": temp}
+    row["plain"] = run_one(model, tokenizer, ids, args.max_tokens, temp, seed)
+    row["eagle"] = []
+    for tree in trees:
+        res = run_one(model, tokenizer, ids, args.max_tokens, temp, seed, tree)
+        res["tree"] = tree
+        res["speedup"] = res["tokens_per_second"] / max(row["plain"]["tokens_per_second"], 1e-9)
+        if temp == 0:
+            res["identical_to_plain"] = res["tokens"] == row["plain"]["tokens"]
+        row["eagle"].append(res)
+    timer = GraphCounter() if count_graph else PhaseTimer()
+    prof = run_one(model, tokenizer, ids, args.max_tokens, temp, seed, default, timer)
+    graph = None
+    if count_graph:
+        graph = timer.per_cycle()
+        prof["seconds"] -= timer.counting_seconds
+    phases = dict(timer.seconds)
+    phases["other"] = max(prof["seconds"] - sum(phases.values()), 0.0)
+    total = sum(phases.values()) or 1.0
+    row["cycle_split"] = {k: v / total for k, v in phases.items()}
+    row["cycle_seconds"] = {k: v / max(prof["cycles"], 1) for k, v in phases.items()}
+    row["cycle_split_tree"] = default
+    for r in [row["plain"], *row["eagle"]]:
+        r.pop("tokens", None)
+    return row, graph
+
+
+def summarise(per_prompt, trees):
+    """Per tree: tau, tokens/s and measured speedup over the prompts, tau by dataset,
+    identity with plain decoding, acceptance per draft depth."""
+    plain_tps = statistics.mean(r["plain"]["tokens_per_second"] for r in per_prompt)
+    summary = []
+    for j, tree in enumerate(trees):
+        runs = [r["eagle"][j] for r in per_prompt]
+        tps = statistics.mean(r["tokens_per_second"] for r in runs)
+        summary.append({
+            "tree": tree, "tau": statistics.mean(r["tau"] for r in runs),
+            "tokens_per_second": tps, "measured_speedup": tps / plain_tps,
+            "tau_by_source": {s: statistics.mean(r["eagle"][j]["tau"] for r in per_prompt
+                                                 if r["source"] == s)
+                              for s in sorted({r["source"] for r in per_prompt})},
+            "identical_to_plain": all(r.get("identical_to_plain", True) for r in runs),
+            "depth_acceptance": depth_acceptance(
+                [a for r in runs for a in r["accept_lengths"]], tree["depth"]),
+        })
+    return plain_tps, summary
+
+
+def calibrate(per_prompt, trees, default, summary, verify, draft):
+    """The cycle model's constants from the default tree's profile; with the default tree
+    among those measured, its measured (unsynced) cycle scales the model too."""
+    per_cycle = {k: statistics.mean(r["cycle_seconds"][k] for r in per_prompt)
+                 for k in per_prompt[0]["cycle_seconds"]}
+    default_tau = statistics.mean(r["tau"] for r in runs_of(per_prompt, trees, default)) \
+        if default in trees else summary[0]["tau"]
+    calibration = {
+        "draft_scale": per_cycle["draft"] / max(draft_seconds(default, default_tau, draft), 1e-9),
+        "accept_seconds_per_node": per_cycle["accept"] / default["total_tokens"],
+        "fixed_seconds": per_cycle["update"] + per_cycle["other"],
+    }
+    if default in trees:
+        real = statistics.mean(r["generation_tokens"] / max(r["tokens_per_second"], 1e-9)
+                               / max(r["target_forwards"], 1)
+                               for r in runs_of(per_prompt, trees, default))
+        calibration["cycle_scale"] = real / modelled_cycle(default, default_tau, verify, draft,
+                                                           calibration)
+    return per_cycle, calibration
+
+
+def choose(summary, temp, machine) -> dict:
+    """The tree with the highest expected tokens/s, kept only if both its expected and its
+    measured speedup are above 1 (else plain decoding is the choice)."""
+    best = max(summary, key=lambda s: s["expected_speedup"])
+    pays = best["expected_speedup"] > 1.0 and best["measured_speedup"] > 1.0
+    return {"speculate": pays, **best["tree"], "expected_speedup": best["expected_speedup"],
+            "measured_speedup": best["measured_speedup"], "tau": best["tau"], "temp": temp,
+            "machine": machine, "date": time.strftime("%Y-%m-%d")}
+
+
+def _print_temp(temp, summary, plain_tps, graph, default):
+    for row in summary:
+        t = row["tree"]
+        print(f"temp {temp}, tree {t['total_tokens']}/{t['depth']}/{t['draft_top_k']}: tau "
+              f"{row['tau']:.2f}, {row['tokens_per_second']:.1f} tok/s (plain {plain_tps:.1f}; "
+              f"{row['measured_speedup']:.2f}x, modelled {row['expected_speedup']:.2f}x); "
+              "acceptance at depth 1..: " + ", ".join(
+                  "-" if a is None else f"{a:.2f}" for a in row["depth_acceptance"]),
+              file=sys.stderr)
+    print("graph nodes per cycle (tree {total_tokens}/{depth}/{draft_top_k}): ".format(**default)
+          + ", ".join(f"{k} {v:.0f}" for k, v in graph["nodes"].items())
+          + f"; total {graph['total']:.0f}", file=sys.stderr)
+
+
+def _print_choice(choice):
+    tree = f"total_tokens {choice['total_tokens']}"
+    if choice["speculate"]:
+        print(f"chosen tree: {tree}, depth {choice['depth']}, draft_top_k "
+              f"{choice['draft_top_k']}: expected {choice['expected_speedup']:.2f}x, measured "
+              f"{choice['measured_speedup']:.2f}x, tau {choice['tau']:.2f}")
+    else:
+        print(f"speculation does not pay on this machine: the best tree ({tree}) is expected "
+              f"at {choice['expected_speedup']:.2f}x and measured at "
+              f"{choice['measured_speedup']:.2f}x of plain decoding, so plain decoding is the "
+              "choice.")
+
+
+def write(report, output, plot_path, args, model) -> None:
+    atomic_file(output, lambda t: t.write_text(json.dumps(report, indent=2) + "\n"))
+    atomic_file(plot_path, lambda t: plot(report, t))
+    print(f"wrote {output} and {plot_path}")
+    if args.save_tuning:
+        from .tuning import write_tuning
+
+        dest = write_tuning(model.head_path, model.target.path, model.target.dtype,
+                            report["choice"])
+        print(f"saved the choice to {dest}")
+
+
+def _main(argv):
+    args = build_parser().parse_args(argv)
+    trees = check_args(args)
     from .distributed import group, rank
 
     writes = rank(group()) == 0  # under mlx.launch every rank measures, rank 0 writes
@@ -373,6 +503,7 @@ def _main(argv):
                          f"model's context of {model.target.max_context} tokens.")
     encoded = [(src, ids[-limit:]) for src, ids in encoded]  # keep long prompts in context
 
+    # measure: the cost curves, then every prompt at every temperature
     print(f"{len(encoded)} prompts, {len(trees)} trees, temperatures {args.temps}", file=sys.stderr)
     prefix = int(statistics.median(len(ids) for _, ids in encoded))
     sizes = sorted({1, 2, 4, 8, 16, 32, 64} | {t["total_tokens"] for t in trees})
@@ -381,9 +512,6 @@ def _main(argv):
     t1 = verify[1]
     print("verify cost t(k)/t(1): " + ", ".join(f"{k}: {verify[k] / t1:.2f}" for k in sizes),
           file=sys.stderr)
-
-    from .speculative import GraphCounter, PhaseTimer
-
     report = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                           "mlx": mx.__version__, "device": str(mx.default_device())},
               "model": str(model.target.path), "eagle": model.head_path, "head_kind": model.head.kind,
@@ -392,127 +520,44 @@ def _main(argv):
               "draft_cost_curve": {str(k): draft[k] / t1 for k in sizes},
               "verify_seconds": {str(k): verify[k] for k in sizes},
               "prompts": [], "trees": {}, "overall": {}}
-    default = model.tree_settings()
+    default, graph = model.tree_settings(), None
     for temp in args.temps:
         per_prompt = []
         for i, (src, ids) in enumerate(encoded):
-            seed = args.seed + i
-            row = {"source": src, "prompt_tokens": len(ids), "temp": temp}
-            row["plain"] = run_one(model, tokenizer, ids, args.max_tokens, temp, seed)
-            row["eagle"] = []
-            for tree in trees:  # interleaved with the plain run of the same prompt
-                res = run_one(model, tokenizer, ids, args.max_tokens, temp, seed, tree)
-                res["tree"] = tree
-                res["speedup"] = res["tokens_per_second"] / max(row["plain"]["tokens_per_second"], 1e-9)
-                if temp == 0:
-                    res["identical_to_plain"] = res["tokens"] == row["plain"]["tokens"]
-                row["eagle"].append(res)
-            # the first prompt's profile also counts the graph operations of each phase
-            timer = GraphCounter() if i == 0 else PhaseTimer()
-            prof = run_one(model, tokenizer, ids, args.max_tokens, temp, seed, default, timer)
-            if i == 0:
-                graph = timer.per_cycle()
-                prof["seconds"] -= timer.counting_seconds
-            phases = dict(timer.seconds)
-            phases["other"] = max(prof["seconds"] - sum(phases.values()), 0.0)
-            total = sum(phases.values()) or 1.0
-            row["cycle_split"] = {k: v / total for k, v in phases.items()}
-            row["cycle_seconds"] = {k: v / max(prof["cycles"], 1) for k, v in phases.items()}
-            row["cycle_split_tree"] = default
-            for r in [row["plain"], *row["eagle"]]:
-                r.pop("tokens", None)
-            per_prompt.append(row)
+            row, counted = measure_prompt(model, tokenizer, ids, args, trees, default, temp,
+                                          args.seed + i, count_graph=i == 0)
+            graph = counted or graph
+            per_prompt.append({"source": src, **row})
             best = max(row["eagle"], key=lambda r: r["speedup"])
             print(f"[{src} {i + 1}/{len(encoded)} temp {temp}] plain "
                   f"{row['plain']['tokens_per_second']:.1f} tok/s; best tree "
                   f"{best['tree']['total_tokens']}: tau {best['tau']:.2f}, "
                   f"{best['tokens_per_second']:.1f} tok/s ({best['speedup']:.2f}x)", file=sys.stderr)
         report["prompts"] += per_prompt
-        plain_tps = statistics.mean(r["plain"]["tokens_per_second"] for r in per_prompt)
-        summary = []
-        for j, tree in enumerate(trees):
-            runs = [r["eagle"][j] for r in per_prompt]
-            tau = statistics.mean(r["tau"] for r in runs)
-            tps = statistics.mean(r["tokens_per_second"] for r in runs)
-            summary.append({
-                "tree": tree, "tau": tau, "tokens_per_second": tps,
-                "measured_speedup": tps / plain_tps,
-                "tau_by_source": {s: statistics.mean(r["eagle"][j]["tau"] for r in per_prompt
-                                                     if r["source"] == s)
-                                  for s in sorted({r["source"] for r in per_prompt})},
-                "identical_to_plain": all(r.get("identical_to_plain", True) for r in runs),
-                "depth_acceptance": depth_acceptance(
-                    [a for r in runs for a in r["accept_lengths"]],
-                    tree["depth"]),
-            })
-        split = {k: statistics.mean(r["cycle_split"][k] for r in per_prompt)
-                 for k in per_prompt[0]["cycle_split"]}
-        per_cycle = {k: statistics.mean(r["cycle_seconds"][k] for r in per_prompt)
-                     for k in per_prompt[0]["cycle_seconds"]}
-        default_tau = statistics.mean(r["tau"] for r in runs_of(per_prompt, trees, default)) \
-            if default in trees else summary[0]["tau"]
-        calibration = {
-            "draft_scale": per_cycle["draft"] / max(draft_seconds(default, default_tau, draft), 1e-9),
-            "accept_seconds_per_node": per_cycle["accept"] / default["total_tokens"],
-            "fixed_seconds": per_cycle["update"] + per_cycle["other"],
-        }
-        if default in trees:  # the measured (unsynced) cycle of the default tree
-            real = statistics.mean(r["generation_tokens"] / max(r["tokens_per_second"], 1e-9)
-                                   / max(r["target_forwards"], 1)
-                                   for r in runs_of(per_prompt, trees, default))
-            calibration["cycle_scale"] = real / modelled_cycle(default, default_tau, verify, draft,
-                                                               calibration)
+        # summarise and calibrate: the model's expected speedup of every tree
+        plain_tps, summary = summarise(per_prompt, trees)
+        per_cycle, calibration = calibrate(per_prompt, trees, default, summary, verify, draft)
         for s in summary:
             s["expected_speedup"] = expected_tokens_per_second(
                 s["tree"], s["tau"], verify, draft, calibration) / plain_tps
         report["trees"][str(temp)] = summary
-        for row in summary:
-            t = row["tree"]
-            print(f"temp {temp}, tree {t['total_tokens']}/{t['depth']}/{t['draft_top_k']}: tau "
-                  f"{row['tau']:.2f}, {row['tokens_per_second']:.1f} tok/s (plain {plain_tps:.1f}; "
-                  f"{row['measured_speedup']:.2f}x, modelled {row['expected_speedup']:.2f}x); "
-                  "acceptance at depth 1..: " + ", ".join(
-                      "-" if a is None else f"{a:.2f}" for a in row["depth_acceptance"]),
-                  file=sys.stderr)
-        print("graph nodes per cycle (tree {total_tokens}/{depth}/{draft_top_k}): ".format(**default)
-              + ", ".join(f"{k} {v:.0f}" for k, v in graph["nodes"].items())
-              + f"; total {graph['total']:.0f}", file=sys.stderr)
+        _print_temp(temp, summary, plain_tps, graph, default)
+        split = {k: statistics.mean(r["cycle_split"][k] for r in per_prompt)
+                 for k in per_prompt[0]["cycle_split"]}
         report["overall"][str(temp)] = {"plain_tokens_per_second": plain_tps, "cycle_split": split,
                                         "graph_nodes_per_cycle": graph,
                                         "cycle_seconds": per_cycle, "calibration": calibration}
 
-    # choose: the tree with the highest expected tokens/s at the first temperature,
-    # kept only if both the expected and the measured speedup are above 1
-    summary = report["trees"][str(args.temps[0])]
-    best = max(summary, key=lambda s: s["expected_speedup"])
-    pays = best["expected_speedup"] > 1.0 and best["measured_speedup"] > 1.0
-    choice = {"speculate": pays, **best["tree"], "expected_speedup": best["expected_speedup"],
-              "measured_speedup": best["measured_speedup"], "tau": best["tau"],
-              "temp": args.temps[0], "machine": report["machine"], "date": time.strftime("%Y-%m-%d")}
+    # choose at the first temperature (and the draft vocabulary for that tree), then write
+    choice = choose(report["trees"][str(args.temps[0])], args.temps[0], report["machine"])
     if args.draft_vocabs:
+        tree = {k: choice[k] for k in ("total_tokens", "depth", "draft_top_k")}
         choice["draft_vocab"], report["draft_vocabs"] = choose_draft_vocab(
-            model, tokenizer, encoded, args, best["tree"])
+            model, tokenizer, encoded, args, tree)
     report["choice"] = choice
-    if pays:
-        print(f"chosen tree: total_tokens {best['tree']['total_tokens']}, depth "
-              f"{best['tree']['depth']}, draft_top_k {best['tree']['draft_top_k']}: expected "
-              f"{best['expected_speedup']:.2f}x, measured {best['measured_speedup']:.2f}x, "
-              f"tau {best['tau']:.2f}")
-    else:
-        print(f"speculation does not pay on this machine: the best tree (total_tokens "
-              f"{best['tree']['total_tokens']}) is expected at {best['expected_speedup']:.2f}x and "
-              f"measured at {best['measured_speedup']:.2f}x of plain decoding, so plain decoding "
-              "is the choice.")
-    if not writes:
-        return 0
-    atomic_file(output, lambda t: t.write_text(json.dumps(report, indent=2) + "\n"))
-    atomic_file(plot_path, lambda t: plot(report, t))
-    print(f"wrote {output} and {plot_path}")
-    if args.save_tuning:
-        from .tuning import write_tuning
-
-        dest = write_tuning(model.head_path, model.target.path, model.target.dtype, choice)
-        print(f"saved the choice to {dest}")
+    _print_choice(choice)
+    if writes:
+        write(report, output, plot_path, args, model)
     return 0
 
 

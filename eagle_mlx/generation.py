@@ -13,7 +13,8 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import EagleError
-from .speculative import PromptCache, SamplingParams, eagle_steps, generation_stream, plain_steps
+from .engine import SamplingParams, generation_stream
+from .speculative import PromptCache, eagle_steps, plain_steps
 from .values import _check, _is_int, check_values, static_top_k
 
 

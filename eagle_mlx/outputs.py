@@ -3,6 +3,7 @@
 import os
 import shutil
 from pathlib import Path
+from typing import Optional
 
 from .errors import EagleError, reason
 
@@ -14,12 +15,31 @@ def _existing_ancestor(path: Path) -> Path:
     return p
 
 
+def check_writable_dir(folder: Path, flag: str, path: Optional[Path] = None) -> None:
+    """Try it: create and remove a probe file in `folder`. Permission bits do not tell (root
+    may "write" /proc, a read-only mount or a full disk says so only when written to), so a
+    path that cannot be written fails here, in one sentence, before any work starts."""
+    probe = folder / f".eagle_mlx-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"probe")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise EagleError(f"{flag} {path or folder} cannot be written: {folder} refused a "
+                         f"file ({reason(e)}).") from None
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+
+
 def _check_parent(path: Path, flag: str) -> None:
     base = _existing_ancestor(path)
     if not base.is_dir():
         raise EagleError(f"{flag} {path}: {base} is a file, not a folder.")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise EagleError(f"{flag} {path} cannot be created: {base} is not writable.")
+    check_writable_dir(base, flag, path)
 
 
 def check_new_dir(path, flag: str) -> Path:
@@ -36,9 +56,7 @@ def check_out_file(path, flag: str) -> Path:
     path = Path(path).expanduser()
     if path.is_dir():
         raise EagleError(f"{flag} {path} is a folder, not a file.")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise EagleError(f"{flag} {path} is not writable.")
-    _check_parent(path, flag)
+    _check_parent(path, flag)  # written as a new file beside it, then renamed
     return path
 
 

@@ -277,6 +277,23 @@ def write_shard(out: Path, number: int, done: list):
             "tokens": int(len(tokens)), "answer_tokens": int(arrays["loss_mask"].sum())}
 
 
+POOL_BATCHES = 4  # conversations kept ready: batches are picked from this many batch sizes
+
+
+def take_batch(pending: deque, size: int) -> list:
+    """The oldest waiting conversation and the `size - 1` others whose prompts are closest
+    to it in length (a batch is padded to its longest prompt, and a prompt's cost grows
+    with its length); removed from `pending`, shortest first."""
+    first = pending[0]
+    rest = sorted(range(1, len(pending)),
+                  key=lambda i: abs(len(pending[i].prompt) - len(first.prompt)))[: size - 1]
+    chosen = [0] + rest
+    batch = [pending[i] for i in chosen]
+    for i in sorted(chosen, reverse=True):
+        del pending[i]
+    return sorted(batch, key=lambda c: len(c.prompt))
+
+
 def _turns(messages):
     return [{"from": {"system": "system", "user": "human"}.get(m["role"], "gpt"),
              "value": m["content"]} for m in messages]
@@ -334,11 +351,12 @@ def _main(argv) -> int:
 
     finished, written, t0 = [], 0, time.perf_counter()
     seconds0 = index["seconds"]
-    pending = deque()  # (conversation, prompt) whose next turn is ready to run
+    pending = deque()  # conversations whose next turn is ready to run, oldest first
+    pool = POOL_BATCHES * args.batch_size
     bar = tqdm(total=len(queue), desc="conversations", disable=args.quiet)
 
     def refill():
-        while len(pending) < args.batch_size and queue:
+        while len(pending) < pool and queue:
             c = queue.popleft()
             p = c.next_prompt(tokenizer, args.max_tokens, args.max_len)
             if p is None:
@@ -359,9 +377,7 @@ def _main(argv) -> int:
     try:
         refill()
         while pending:
-            # similar prompt lengths together: less padding
-            batch = sorted([pending.popleft() for _ in range(min(args.batch_size, len(pending)))],
-                           key=lambda c: len(c.prompt))
+            batch = take_batch(pending, args.batch_size)
             results = run_rows(target, [c.prompt for c in batch], eos, args.max_tokens, taps)
             for c, (answer, feats) in zip(batch, results):
                 text = tokenizer.decode([t for t in answer if t not in eos])

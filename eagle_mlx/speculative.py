@@ -11,10 +11,9 @@ from typing import Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from .drafters import EagleDrafter
-from .engine import (PREFILL_STEP_SIZE, Engine, SamplingParams, State, Step,  # noqa: F401
-                     generation_stream)
+from .engine import PREFILL_STEP_SIZE, Engine, SamplingParams, State, Step
 from .mlxlm import generate_step
-from .profiling import GraphCounter, PhaseTimer, profiled_cycle  # noqa: F401
+from .profiling import PhaseTimer, profiled_cycle
 
 
 class PromptCache:

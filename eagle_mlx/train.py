@@ -24,7 +24,6 @@ Target features are computed on the fly, batch by batch (optionally cached on di
 
 import json
 import math
-import os
 import signal
 import sys
 import threading
@@ -41,7 +40,7 @@ from .checkpoint import head_config, save_head
 from .cli import ArgumentParser, UsageError, run_cli, started
 from .data import load_conversations, render
 from .errors import EagleError
-from .outputs import atomic_dir, atomic_file, check_new_dir
+from .outputs import atomic_dir, atomic_file, check_new_dir, check_writable_dir
 from .heads import Eagle1Head, Eagle3Head, HeadArgs
 from . import ttt
 
@@ -577,8 +576,7 @@ def check_paths(args) -> Path:
     elif out.exists() and any(out.iterdir()):
         raise UsageError(f"--out {out} is not empty; pass --resume to continue training there.")
     if out.exists():
-        if not os.access(out, os.W_OK | os.X_OK):
-            raise EagleError(f"--out {out} is not writable.")
+        check_writable_dir(out, "--out")
     else:
         check_new_dir(out, "--out")
     if args.export:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -155,6 +156,17 @@ CASES = [
     ("regen", ["--model", "{T}", "--data", "{D}", "--out", "{H}"], 1,
      "holds no index written by eagle_mlx.regen"),
 ]
+
+# a folder that permission bits call writable for root but that refuses every new file
+if Path("/proc/self").is_dir():
+    CASES += [
+        ("benchmark", BENCH[:-1] + ["/proc/eagle_mlx_bench.json"], 1, "cannot be written"),
+        ("train", TRAIN[:5] + ["/proc/eagle_mlx_train", "--quiet"], 1, "cannot be written"),
+        ("regen", ["--model", "{T}", "--data", "{D}", "--out", "/proc/eagle_mlx_regen"], 1,
+         "cannot be written"),
+        ("convert", ["--eagle", "{H}", "--mlx-path", "/proc/eagle_mlx_head"], 1,
+         "cannot be written"),
+    ]
 
 
 def _fill(argv, root, target, head, data):

@@ -147,12 +147,10 @@ def test_benchmark_writes_json_png_and_tuning(pair, tmp_path, monkeypatch):
     choice = report["choice"]
     assert {k: choice[k] for k in ("total_tokens", "depth", "draft_top_k")} in measured
     assert all(t["identical_to_plain"] for t in report["trees"]["0.0"])
-    curve = report["verify_cost_curve"]
-    assert curve["1"] == 1.0 and set(curve) >= {"1", "2", "4", "8"}
+    assert set(report["verify_cost_curve"]) >= {"1", "2", "4", "8"}
     assert len(report["prompts"]) == 4 and set(report["overall"]) == {"0.0", "1.0"}
     split = report["overall"]["0.0"]["cycle_split"]
     assert set(split) == {"draft", "verify", "accept", "update", "other"}
-    assert abs(sum(split.values()) - 1) < 1e-6
     # the choice lands in the user's cache, never in the head folder
     assert sorted(p.name for p in head_copy.iterdir()) == sorted(p.name for p in head.iterdir())
     [saved] = [json.loads(f.read_text()) for f in (cache / "tuning").glob("*.json")]
@@ -185,7 +183,7 @@ def test_benchmark_chooses_the_draft_vocabulary(pair, tmp_path, monkeypatch):
     report = json.loads((tmp_path / "b.json").read_text())
     assert set(report["draft_vocabs"]) == {"8", "0"}
     chosen = report["choice"]["draft_vocab"]
-    assert chosen == max((8, 0), key=lambda n: report["draft_vocabs"][str(n)]["tokens_per_second"])
+    assert chosen in (8, 0)
     monkeypatch.setenv("EAGLE_MLX_CACHE", str(cache))
     model, _ = eagle_mlx.load(str(target), eagle=str(head), draft_vocab_data=str(data))
     assert model.head.draft_vocab_size == (chosen or 64)
@@ -213,3 +211,84 @@ def test_benchmark_bad_inputs(pair, tmp_path):
     bad.write_text('{"text": 1}\n')
     one_sentence(cli("benchmark", "--model", target, "--eagle", head, "--prompts", bad), 1, "line 1")
     one_sentence(cli("benchmark", "--model", target, "--prompts", bad), 2, "--eagle")
+
+
+class StubbedMeasurements:
+    """The benchmark's measurements replaced by known numbers: cost curves (verify flat or
+    steep, draft 0.01 s per head call), plain decoding at 2 tok/s, tree 4/2/2 at tau 1.5 and
+    3 tok/s, tree 8/3/2 at tau 2.5 and 2.5 tok/s (5 tok/s with an 8-token draft vocabulary),
+    and a profile of 2 cycles in 1 s: draft 0.1, verify 0.3, accept 0.05, update 0.05 s."""
+
+    TAU = {4: 1.5, 8: 2.5}
+    TPS = {4: 3.0, 8: 2.5}
+
+    def __init__(self, verify_per_token):
+        self.verify_per_token = verify_per_token
+
+    def cost_curves(self, model, prefix, sizes, reps=5):
+        verify = {k: (0.1 if self.verify_per_token is None else self.verify_per_token * k)
+                  for k in sizes}
+        return verify, {k: 0.01 for k in sizes}
+
+    def run_one(self, model, tokenizer, ids, max_tokens, temp, seed, tree=None, timer=None):
+        if timer is not None:
+            timer.seconds.update(draft=0.1, verify=0.3, accept=0.05, update=0.05)
+            return {"seconds": 1.0, "cycles": 2}
+        if tree is None:
+            return {"tokens": [5, 6], "generation_tokens": 10, "tokens_per_second": 2.0,
+                    "tau": 1.0, "target_forwards": 10}
+        n = tree["total_tokens"]
+        tps = 5.0 if n == 8 and model.head.draft is not None else self.TPS[n]
+        return {"tokens": [5, 6], "generation_tokens": 10, "tokens_per_second": tps,
+                "tau": self.TAU[n], "target_forwards": 4, "accept_lengths": [1, 0, 2, 1]}
+
+
+@pytest.mark.parametrize("verify_per_token", [None, 0.5])
+def test_benchmark_chooses_what_the_measured_curves_call_for(pair, tmp_path, monkeypatch,
+                                                             verify_per_token):
+    """With a flat verify curve the deeper tree's higher tau wins (and speculation pays);
+    with a verify pass that costs 0.5 s per token nothing pays and plain decoding is the
+    choice. The figures below are worked out by hand from the stubbed measurements."""
+    from eagle_mlx import benchmark
+
+    target, head = pair
+    stub = StubbedMeasurements(verify_per_token)
+    monkeypatch.setattr(benchmark, "cost_curves", stub.cost_curves)
+    monkeypatch.setattr(benchmark, "run_one", stub.run_one)
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path / "cache"))  # default tree 16/4/4
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "t5 t9 t11"}\n')
+    data = tmp_path / "answers.json"
+    data.write_text(json.dumps([{"conversations": [{"from": "human", "value": "t5"},
+                                                   {"from": "gpt", "value": "t6 t7 t8 t9"}]}]))
+    out = tmp_path / "b.json"
+    assert benchmark.main(["--model", str(target), "--eagle", str(head), "--prompts",
+                           str(prompts), "--trees", "4/2/2,8/3/2", "--temps", "0",
+                           "--draft-vocabs", "8", "0", "--max-tokens", "12",
+                           "--draft-vocab-data", str(data), "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    # the profile: 2 cycles in 1 s, of which 0.5 s in the four phases
+    split = report["overall"]["0.0"]["cycle_split"]
+    assert split == pytest.approx({"draft": 0.1, "verify": 0.3, "accept": 0.05,
+                                   "update": 0.05, "other": 0.5})
+    sizes = [int(k) for k in report["verify_cost_curve"]]
+    want_curve = {str(k): (1.0 if verify_per_token is None else k) for k in sizes}
+    assert report["verify_cost_curve"] == pytest.approx(want_curve)
+    # the cycle model calibrated on the default tree 16/4/4 (tau: the first tree's 1.5):
+    # draft 0.05 s per cycle over 0.01 * 4 + 0.01 modelled -> scale 1; acceptance 0.025 s
+    # over 16 nodes; fixed: update 0.025 + other 0.25 s
+    def modelled(n, depth, tau, verify):
+        return verify + (0.01 * depth + 0.01) + 0.025 / 16 * n + 0.275
+
+    flat = verify_per_token is None
+    expected = {n: tau / modelled(n, d, tau, 0.1 if flat else 0.5 * n) / 2.0
+                for n, d, tau in ((4, 2, 1.5), (8, 3, 2.5))}
+    got = {row["tree"]["total_tokens"]: row["expected_speedup"] for row in report["trees"]["0.0"]}
+    assert got == pytest.approx(expected)
+    choice = report["choice"]
+    if flat:  # 8/3/2: expected 2.92x, measured 1.25x
+        assert choice["speculate"] and choice["total_tokens"] == 8
+        assert choice["measured_speedup"] == pytest.approx(1.25)
+        assert choice["draft_vocab"] == 8  # 5 tok/s with 8 draft tokens, 2.5 with all
+    else:  # the best is 4/2/2 at 0.32x: plain decoding
+        assert not choice["speculate"] and choice["total_tokens"] == 4
