@@ -50,7 +50,8 @@ from .errors import EagleError  # noqa: E402
 # is installed), seconds that a tool refusing a bad flag, or printing --help, need not pay.
 _LAZY = {"load_head": "checkpoint", "GenerationResponse": "generation", "generate": "generation",
          "stream_generate": "generation", "PromptCache": "speculative", "EagleModel": "model",
-         "load": "model", "Target": "target", "load_target": "target"}
+         "load": "model", "Target": "target", "load_target": "target",
+         "GenerationSettings": "values"}
 
 
 def __getattr__(name):
@@ -64,5 +65,6 @@ def __getattr__(name):
 
 
 __version__ = "0.1.0"
-__all__ = ["EagleError", "EagleModel", "GenerationResponse", "Target", "generate", "load",
+__all__ = ["EagleError", "EagleModel", "GenerationResponse", "GenerationSettings", "Target",
+           "generate", "load",
            "load_head", "load_target", "PromptCache", "stream_generate"]

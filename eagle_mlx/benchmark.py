@@ -25,9 +25,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .cli import ArgumentParser, UsageError, add_model_args, chat_prompt, load_from_args, run_cli
+from .cli import (ArgumentParser, UsageError, add_model_args, chat_prompt, flag_name,
+                  load_from_args, run_cli)
 from .errors import EagleError
-from .values import check_values
+from .values import GenerationSettings
 from .outputs import atomic_file, check_out_file
 
 DEFAULT_TREES = "4/2/2,8/3/2,16/4/4,32/5/6,60/5/10"
@@ -100,7 +101,7 @@ def parse_trees(text):
             raise UsageError(f"--trees takes TOTAL/DEPTH/TOPK entries separated by commas, "
                              f"such as {DEFAULT_TREES} (got {part!r}).") from None
         try:
-            check_values(total_tokens=total, depth=depth, draft_top_k=k)
+            GenerationSettings(total_tokens=total, depth=depth, draft_top_k=k).check()
         except EagleError as e:
             raise UsageError(f"--trees entry {part}: {e}") from None
         if total - 1 > k + depth * k * k:
@@ -336,14 +337,14 @@ def check_args(args):
         raise UsageError(f"--max-tokens must be at least 2 (got {args.max_tokens}).")
     for t in args.temps:
         try:
-            check_values(temp=t)
+            GenerationSettings(temp=t).check()
         except EagleError:
             raise UsageError(f"--temps must be 0 (greedy) or positive finite numbers (got {t}).") \
                 from None
     try:
-        check_values(seed=args.seed)
+        GenerationSettings(seed=args.seed).check(name=flag_name)
     except EagleError as e:
-        raise UsageError(str(e).replace("seed", "--seed", 1)) from None
+        raise UsageError(str(e)) from None
     trees = parse_trees(args.trees)
     if args.draft_vocabs is not None and any(n < 0 for n in args.draft_vocabs):
         raise UsageError(f"--draft-vocabs must be 0 (the whole vocabulary) or positive sizes "

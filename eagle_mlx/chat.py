@@ -9,8 +9,7 @@ each turn prefills only the new messages.
 import sys
 
 from .cli import (ArgumentParser, UsageError, add_model_args, add_sampling_args, chat_prompt,
-                  check_sampling_args, generation_kwargs, load_from_args, print_stats, run_cli,
-                  text_arg)
+                  load_from_args, print_stats, run_cli, settings_from_args, text_arg)
 from .errors import EagleError
 
 HELP = "commands: /reset  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
@@ -26,8 +25,9 @@ def build_parser() -> ArgumentParser:
 
 
 class Chat:
-    def __init__(self, model, tokenizer, args):
+    def __init__(self, model, tokenizer, args, settings):
         self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.settings = settings
         self.system = ([{"role": "system", "content": args.system_prompt}]
                        if args.system_prompt else [])
         self.turns = []  # user/assistant messages, oldest first
@@ -46,7 +46,7 @@ class Chat:
         while True:
             messages = self.system + history + [{"role": "user", "content": user}]
             ids = chat_prompt(self.tokenizer, messages)
-            if len(ids) + self.args.max_tokens <= context or not history:
+            if len(ids) + self.settings.max_tokens <= context or not history:
                 break
             history = history[2:]  # one user message and its reply
             dropped += 1
@@ -63,12 +63,12 @@ class Chat:
         from .generation import stream_generate
 
         ids = self.prompt_ids(user)
-        kwargs = generation_kwargs(self.args)
-        kwargs["max_tokens"] = min(kwargs["max_tokens"], self.model.target.max_context - len(ids) + 1)
+        settings = self.settings.replace(max_tokens=min(
+            self.settings.max_tokens, self.model.target.max_context - len(ids) + 1))
         text = []
         try:
-            for r in stream_generate(self.model, self.tokenizer, ids, seed=self.args.seed,
-                                     prompt_cache=self.cache, **kwargs):
+            for r in stream_generate(self.model, self.tokenizer, ids, prompt_cache=self.cache,
+                                     settings=settings):
                 print(r.text, end="", flush=True)
                 text.append(r.text)
                 self.last = r
@@ -80,7 +80,7 @@ class Chat:
         if self.last is not None and not self.warned:
             from .generation import acceptance_warning
 
-            warning = acceptance_warning(self.model, self.last, self.args.temp)
+            warning = acceptance_warning(self.model, self.last, self.settings.temp)
             if warning:
                 print(f"warning: {warning}", file=sys.stderr)
                 self.warned = True
@@ -153,14 +153,14 @@ class Chat:
 
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
-    check_sampling_args(args)
+    settings = settings_from_args(args)
     if args.system_prompt is not None:
         text_arg(args.system_prompt, "--system-prompt")
     model, tokenizer = load_from_args(args)
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"the tokenizer of {args.model or 'the demo model'} has no chat template, "
                          "which chat needs; use python -m eagle_mlx.generate instead.")
-    Chat(model, tokenizer, args).run(sys.stdin)
+    Chat(model, tokenizer, args, settings).run(sys.stdin)
     return 0
 
 

@@ -111,16 +111,22 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="EAGLE-1 static tree: 'mc_sim_7b_63' or a JSON list of paths")
 
 
-def check_sampling_args(args) -> None:
-    """Flag values a user can get wrong: one sentence each, exit code 2, before loading."""
-    from .values import check_values
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
-    if args.tree_choices is not None:
-        args.tree_choices = parse_tree_choices(args.tree_choices)
+
+def settings_from_args(args):
+    """The GenerationSettings the sampling and tree flags ask for, checked: a bad value is
+    one sentence naming its flag, exit code 2, before anything loads."""
+    from .values import GenerationSettings
+
+    tree_choices = None if args.tree_choices is None else parse_tree_choices(args.tree_choices)
+    settings = GenerationSettings(
+        max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed, total_tokens=args.total_tokens, depth=args.depth,
+        draft_top_k=args.draft_top_k, tree_choices=tree_choices)
     try:
-        check_values(args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p, args.seed,
-                     args.total_tokens, args.depth, args.draft_top_k, args.tree_choices,
-                     name=lambda n: "--" + n.replace("_", "-"))
+        return settings.check(name=flag_name)
     except EagleError as e:
         raise UsageError(str(e)) from None
 
@@ -194,18 +200,12 @@ def load_from_args(args):
     return model, tokenizer
 
 
-def generation_kwargs(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
-                min_p=args.min_p,
-                total_tokens=args.total_tokens, depth=args.depth, draft_top_k=args.draft_top_k,
-                tree_choices=args.tree_choices)
-
-
-def describe_mode(model, args) -> str:
-    """What a generation with these flags runs: plain decoding or the tree actually used."""
+def describe_mode(model, settings) -> str:
+    """What a generation with these settings runs: plain decoding or the tree actually used."""
     from .generation import tree_plan
 
-    tree = tree_plan(model, args.total_tokens, args.depth, args.draft_top_k, args.tree_choices)
+    tree = tree_plan(model, settings.total_tokens, settings.depth, settings.draft_top_k,
+                     settings.tree_choices)
     if tree is None:
         if model.head is not None:
             return "plain decoding: the benchmark found that speculation does not pay here"
@@ -217,7 +217,7 @@ def describe_mode(model, args) -> str:
         shape = (f"dynamic tree: total_tokens {tree['total_tokens']}, depth {tree['depth']}, "
                  f"draft_top_k {tree['draft_top_k']}")
     source = "tuned" if model.tuning and model.tuning.get("speculate", True) else "default"
-    explicit = any(getattr(args, k) is not None for k in
+    explicit = any(getattr(settings, k) is not None for k in
                    ("total_tokens", "depth", "draft_top_k", "tree_choices"))
     return f"{model.head.kind} head, {shape} ({'flags' if explicit else source})"
 

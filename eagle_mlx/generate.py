@@ -10,8 +10,8 @@ import sys
 import types
 
 from .cli import (ArgumentParser, UsageError, add_model_args, add_sampling_args, chat_prompt,
-                  check_sampling_args, describe_mode, generation_kwargs, load_from_args,
-                  print_stats, read_stdin, run_cli, text_arg)
+                  describe_mode, load_from_args, print_stats, read_stdin, run_cli,
+                  settings_from_args, text_arg)
 from .errors import EagleError
 
 
@@ -30,7 +30,7 @@ def build_parser() -> ArgumentParser:
 
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
-    check_sampling_args(args)
+    settings = settings_from_args(args)
     prompt = read_stdin("--prompt") if args.prompt == "-" else text_arg(args.prompt, "--prompt")
     if not prompt.strip():
         raise UsageError("--prompt is empty.")
@@ -47,11 +47,11 @@ def _main(argv) -> int:
         raise UsageError(f"--prompt is {len(ids)} tokens long, more than the model's context of "
                          f"{context} tokens.")
     if args.verbose:
-        print(f"[{describe_mode(model, args)}]", file=sys.stderr)
+        print(f"[{describe_mode(model, settings)}]", file=sys.stderr)
     print("==========")
     last = None
     try:
-        for r in stream_generate(model, tokenizer, ids, seed=args.seed, **generation_kwargs(args)):
+        for r in stream_generate(model, tokenizer, ids, settings=settings):
             print(r.text, end="", flush=True)
             if args.verbose and r.accept_length is not None:
                 print(f"[{r.accept_length}]", end="", file=sys.stderr, flush=True)
@@ -60,7 +60,7 @@ def _main(argv) -> int:
         raise UsageError(str(e)) from None
     print()
     print_stats(last)
-    warning = acceptance_warning(model, last, args.temp)
+    warning = acceptance_warning(model, last, settings.temp)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     return 0

@@ -15,7 +15,7 @@ import numpy as np
 from .errors import EagleError
 from .engine import SamplingParams, generation_stream
 from .speculative import PromptCache, eagle_steps, plain_steps
-from .values import _check, _is_int, check_values, static_top_k
+from .values import GenerationSettings, _check, _is_int, static_top_k
 
 
 @dataclass
@@ -107,6 +107,7 @@ def stream_generate(
     speculate: Optional[bool] = None,
     min_p: float = 0.0,
     prompt_cache: Optional[PromptCache] = None,
+    settings: Optional[GenerationSettings] = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per target forward pass.
 
@@ -120,16 +121,24 @@ def stream_generate(
     `total_tokens` nodes (incl. the root), `depth` levels, `draft_top_k` children.
     prompt_cache: a `PromptCache` kept across calls; a prompt extending what it holds
     (the next turn of a conversation) is prefilled only from where it differs.
+    settings: a `GenerationSettings` holding all of the above at once (given, it is used
+    instead of the keyword arguments).
     """
-    check_values(max_tokens, temp, top_p, top_k, min_p, seed, total_tokens, depth, draft_top_k,
-                 tree_choices, max_context)
-    _check(speculate is None or isinstance(speculate, bool),
-           f"speculate must be None, True or False (got {speculate!r}).")
+    if settings is None:
+        settings = GenerationSettings(max_tokens, temp, top_p, top_k, min_p, seed, total_tokens,
+                                      depth, draft_top_k, tree_choices, max_context, speculate)
+    _check(isinstance(settings, GenerationSettings),
+           "settings must be an eagle_mlx.GenerationSettings.")
+    settings.check()
+    s = settings
+    max_tokens, temp, seed, max_context = s.max_tokens, s.temp, s.seed, s.max_context
+    total_tokens, depth, draft_top_k, tree_choices = (s.total_tokens, s.depth, s.draft_top_k,
+                                                      s.tree_choices)
     _check(prompt_cache is None or isinstance(prompt_cache, PromptCache),
            "prompt_cache must be an eagle_mlx.PromptCache.")
     _check(hasattr(model, "target") and hasattr(model, "head"),
            "model must be the EagleModel that eagle_mlx.load returns.")
-    tree = tree_plan(model, total_tokens, depth, draft_top_k, tree_choices, speculate)
+    tree = tree_plan(model, total_tokens, depth, draft_top_k, tree_choices, s.speculate)
     speculate = tree is not None
     if speculate:
         total_tokens, depth, draft_top_k = tree["total_tokens"], tree["depth"], tree["draft_top_k"]
@@ -152,7 +161,7 @@ def stream_generate(
         seed = shared_seed(group)  # every rank must draw the same tokens
     if seed is not None:
         mx.random.seed(seed)
-    sampling = SamplingParams(temp, top_p, top_k, min_p)
+    sampling = SamplingParams(temp, s.top_p, s.top_k, s.min_p)
     if not speculate:
         steps = plain_steps(target, ids, sampling, max_context, prompt_cache=prompt_cache)
     else:

@@ -51,18 +51,31 @@ def _int(body, key, default, low, high=None):
     return value
 
 
-def _number(body, key, default, low, high, low_open=False):
-    import math
+# the API's bounds beyond the package's own checks (OpenAI's: temperature at most 2)
+MAX_TEMPERATURE = 2.0
+MAX_REQUEST_TOKENS = 10**9
 
-    value = body.get(key, default)
-    if value is None:
-        return default
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-        and (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        interval = f"{'(' if low_open else '['}{low}, {high}]"
-        raise RequestError(f"'{key}' must be a number in {interval} (got {value!r}).", param=key)
-    return float(value)
+
+def request_settings(body: dict, defaults, max_tokens_key: str):
+    """The request's GenerationSettings: OpenAI's field names translated, every value
+    checked where every other caller's is (`GenerationSettings.check`), then the API's own
+    bounds; a bad value is a RequestError naming the field."""
+    fields = {"max_tokens": max_tokens_key, "temp": "temperature", "top_p": "top_p",
+              "min_p": "min_p", "top_k": "top_k", "seed": "seed"}
+    given = {f: body[k] for f, k in fields.items() if body.get(k) is not None}
+    settings = defaults.replace(**given)
+    try:
+        settings.check(name=lambda f: f"'{fields.get(f, f)}'")
+    except EagleError as e:
+        raise RequestError(str(e), param=fields.get(e.param, e.param)) from None
+    if settings.temp > MAX_TEMPERATURE:
+        raise RequestError(f"'temperature' must be a number in [0, {MAX_TEMPERATURE:g}] (got "
+                           f"{settings.temp!r}).", param="temperature")
+    if settings.max_tokens > MAX_REQUEST_TOKENS:
+        raise RequestError(f"'{max_tokens_key}' must be a whole number from 1 to "
+                           f"{MAX_REQUEST_TOKENS} (got {settings.max_tokens!r}).",
+                           param=max_tokens_key)
+    return settings
 
 
 def _text_content(content, where: str) -> str:
@@ -79,7 +92,7 @@ def _text_content(content, where: str) -> str:
 class Job:
     """One request on its way through the engine: settings in, events out."""
 
-    def __init__(self, ids: List[int], settings: dict, stop: List[str]):
+    def __init__(self, ids: List[int], settings, stop: List[str]):
         self.ids, self.settings, self.stop = ids, settings, stop
         self.events = queue.Queue()  # ("text", str) ... ("done", finish, usage) | ("error", msg)
         self.cancelled = threading.Event()
@@ -146,10 +159,10 @@ class Engine:
         from .generation import stream_generate
 
         group = self.model.group
-        share_text(group, json.dumps({"ids": job.ids, "settings": job.settings}))
+        share_text(group, json.dumps({"ids": job.ids, "settings": job.settings.asdict()}))
         held, finish, last, by_string = "", None, None, False
         for r in stream_generate(self.model, self.tokenizer, job.ids, prompt_cache=self.cache,
-                                 **job.settings):
+                                 settings=job.settings):
             last = r
             if share_flag(group, job.cancelled.is_set()):  # the other ranks stop with it
                 finish = "cancelled"
@@ -187,6 +200,7 @@ def follow(model, tokenizer) -> None:
     from .distributed import share_flag, share_text
     from .generation import stream_generate
     from .speculative import PromptCache
+    from .values import GenerationSettings
 
     cache = PromptCache()
     while True:
@@ -196,7 +210,7 @@ def follow(model, tokenizer) -> None:
         spec = json.loads(spec)
         try:
             for r in stream_generate(model, tokenizer, spec["ids"], prompt_cache=cache,
-                                     **spec["settings"]):
+                                     settings=GenerationSettings(**spec["settings"])):
                 if share_flag(model.group, False):
                     break
                 if share_flag(model.group, False):
@@ -317,7 +331,6 @@ class Handler(BaseHTTPRequestHandler):
     def _parse(self, body: dict, chat: bool):
         from .cli import chat_prompt
         from .generation import encode_prompt
-        from .values import MAX_SEED
 
         model = body.get("model")
         if model is not None and model not in (self.engine.model_id, "default"):
@@ -355,8 +368,9 @@ class Handler(BaseHTTPRequestHandler):
                                code="context_length_exceeded")
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
             else "max_tokens"
-        max_tokens = _int(body, key, self.server.default_max_tokens, 1, 10**9)
-        max_tokens = min(max_tokens, context - len(ids))  # capped by the context
+        settings = request_settings(body, self.server.defaults, key)
+        # capped by the context
+        settings = settings.replace(max_tokens=min(settings.max_tokens, context - len(ids)))
         if _int(body, "n", 1, 1, 1) != 1:
             raise RequestError("'n' must be 1.", param="n")
         stop = body.get("stop")
@@ -375,14 +389,6 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
             raise RequestError("'stream_options' must be an object with a boolean "
                                "'include_usage'.", param="stream_options")
-        settings = {
-            "max_tokens": max_tokens,
-            "temp": _number(body, "temperature", self.server.default_temp, 0, 2),
-            "top_p": _number(body, "top_p", 1.0, 0, 1, low_open=True),
-            "min_p": _number(body, "min_p", 0.0, 0, 1),
-            "top_k": _int(body, "top_k", 0, 0),
-            "seed": _int(body, "seed", None, 0, MAX_SEED),
-        }
         return ids, settings, stop, stream, bool(options.get("include_usage", False))
 
     def _events(self, job: Job):
@@ -510,17 +516,21 @@ def build_parser() -> ArgumentParser:
 
 
 def _main(argv) -> int:
-    from .cli import UsageError, load_from_args
+    from .cli import UsageError, flag_name, load_from_args
+    from .values import GenerationSettings
 
     args = build_parser().parse_args(argv)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be from 0 to 65535 (got {args.port}).")
     if args.max_body_bytes < 1024:
         raise UsageError(f"--max-body-bytes must be at least 1024 (got {args.max_body_bytes}).")
-    if args.max_tokens < 1:
-        raise UsageError(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
-    if not 0 <= args.temp <= 2:
-        raise UsageError(f"--temp must be in [0, 2] (got {args.temp}).")
+    try:  # the defaults of requests that give none
+        defaults = GenerationSettings(max_tokens=args.max_tokens, temp=args.temp).check(
+            name=flag_name)
+    except EagleError as e:
+        raise UsageError(str(e)) from None
+    if args.temp > MAX_TEMPERATURE:
+        raise UsageError(f"--temp must be in [0, {MAX_TEMPERATURE:g}] (got {args.temp}).")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty.")
     model, tokenizer = load_from_args(args)
@@ -534,7 +544,7 @@ def _main(argv) -> int:
         raise EagleError(f"cannot listen on {args.host}:{args.port} ({e.strerror}).") from None
     server.engine = Engine(model, tokenizer, model_id)
     server.api_key, server.max_body = args.api_key, args.max_body_bytes
-    server.default_max_tokens, server.default_temp = args.max_tokens, args.temp
+    server.defaults = defaults
     server.verbose, server.started = args.verbose, int(time.time())
 
     def shut_down():

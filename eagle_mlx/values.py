@@ -1,7 +1,11 @@
-"""Checks on the values a user gives (sampling, tree, seed), with no heavy import: a tool
-refuses a bad flag before it loads mlx-lm, let alone a model."""
+"""Generation settings as one typed object, and the checks on every value a user gives
+(sampling, tree, context, seed), with no heavy import: a tool refuses a bad flag before it
+loads mlx-lm, let alone a model. The API, every command-line tool, the benchmark and the
+server validate through here (each naming the parameter as its user knows it)."""
 
 import math
+from dataclasses import asdict, dataclass, replace
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -14,9 +18,11 @@ DTYPE_CHOICES = ("auto", "stored", "float32", "float16", "bfloat16")  # weights 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}  # casts
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str, param: Optional[str] = None) -> None:
     if not ok:
-        raise EagleError(message)
+        e = EagleError(message)
+        e.param = param  # the parameter at fault, for callers that report it apart
+        raise e
 
 
 def _is_int(x) -> bool:
@@ -45,7 +51,7 @@ def check_values(max_tokens=256, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=N
     """Check sampling and tree values before anything is loaded: EagleError naming the
     parameter (`name` turns a parameter into the flag a command-line tool calls it)."""
     def need(ok, param, what, value):
-        _check(ok, f"{name(param)} must be {what} (got {value!r}).")
+        _check(ok, f"{name(param)} must be {what} (got {value!r}).", param)
 
     need(_is_int(max_tokens) and max_tokens >= 1, "max_tokens", "a whole number of at least 1",
          max_tokens)
@@ -76,4 +82,41 @@ def check_values(max_tokens=256, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=N
         try:
             StaticTree(tree_choices, draft_top_k or static_top_k(tree_choices))
         except ValueError as e:
-            raise EagleError(f"{name('tree_choices')}: {e}.") from None
+            _check(False, f"{name('tree_choices')}: {e}.", "tree_choices")
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What one generation runs with: sampling (as mlx-lm's `make_sampler` means it), the
+    tree (None: the model's tuned or default tree), the context, and whether to speculate
+    (None: as the model decides). `check()` validates every field, in this one place."""
+
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    total_tokens: Optional[int] = None
+    depth: Optional[int] = None
+    draft_top_k: Optional[int] = None
+    tree_choices: Optional[Sequence[Sequence[int]]] = None
+    max_context: Optional[int] = None
+    speculate: Optional[bool] = None
+
+    def check(self, name=lambda n: n) -> "GenerationSettings":
+        """EagleError naming the first bad field (`name` turns a field into what the caller
+        calls it: a flag, an API field); returns the settings for chaining."""
+        check_values(self.max_tokens, self.temp, self.top_p, self.top_k, self.min_p, self.seed,
+                     self.total_tokens, self.depth, self.draft_top_k, self.tree_choices,
+                     self.max_context, name=name)
+        _check(self.speculate is None or isinstance(self.speculate, bool),
+               f"{name('speculate')} must be None, True or False (got {self.speculate!r}).",
+               "speculate")
+        return self
+
+    def replace(self, **changes) -> "GenerationSettings":
+        return replace(self, **changes)
+
+    def asdict(self) -> dict:
+        return asdict(self)
