@@ -197,11 +197,16 @@ def check_pair(head, target, head_path, embed_shape=None) -> None:
             f"embedding in head {head_path} has shape {embed_shape}, but target {tname} "
             f"embeds {target.vocab_size} x {target.hidden_size}."
         )
-    if a.kind == "eagle3" and target.num_layers < EAGLE3_MIN_TARGET_LAYERS:
+    if a.kind == "eagle3":
+        check_eagle3_target(target, f"EAGLE-3 head {head_path}", f"target {tname}")
+
+
+def check_eagle3_target(target, head: str, name: str) -> None:
+    """An EAGLE-3 head (`head`, as the sentence names it) reads three of the target's layers."""
+    if target.num_layers < EAGLE3_MIN_TARGET_LAYERS:
         raise EagleError(
-            f"EAGLE-3 head {head_path} taps target layers {{2, L//2, L-3}}, which needs at "
-            f"least {EAGLE3_MIN_TARGET_LAYERS} layers, but target {tname} has {target.num_layers}."
-        )
+            f"{head} taps target layers {{2, L//2, L-3}}, which needs at least "
+            f"{EAGLE3_MIN_TARGET_LAYERS} layers, but {name} has {target.num_layers}.")
 
 
 def read_head(path_or_repo: str) -> Tuple[dict, Dict[str, mx.array], Path]:

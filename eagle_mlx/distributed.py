@@ -128,9 +128,15 @@ def share_text(g, text: Optional[str]) -> Optional[str]:
     return bytes(np.array(out).astype(np.uint8)).decode("utf-8")
 
 
-def share_flag(g, flag: bool) -> bool:
-    """Rank 0's yes or no on every rank (whether a generation stops here)."""
+# The message rank 0 of a distributed server sends after every response of a generation,
+# and the other ranks receive in the same place: go on, or stop (finished, or cancelled).
+CONTINUE, FINISHED, CANCELLED = 0, 1, 2
+
+
+def share_response_signal(g, signal: int) -> int:
+    """Rank 0's CONTINUE, FINISHED or CANCELLED for this response, on every rank (the other
+    ranks pass CONTINUE)."""
     if g is None:
-        return flag
-    mine = int(flag) if g.rank() == 0 else 0
-    return bool(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=g).item())
+        return signal
+    mine = signal if g.rank() == 0 else 0
+    return int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=g).item())

@@ -107,11 +107,17 @@ def token_ranking(tokenizer, vocab_size: int, data: Optional[str] = None) -> np.
     return order
 
 
+def check_size(target, n) -> None:
+    """A draft vocabulary size the target can have: a whole number from 1 to its vocabulary."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or \
+            not 1 <= n <= target.vocab_size:
+        raise EagleError(f"draft_vocab must be from 1 to the vocabulary size {target.vocab_size} "
+                         f"(got {n!r}).")
+
+
 def draft_vocab(target, order: np.ndarray, n: int) -> DraftVocab:
     """The n most frequent tokens of `order` (kept in id order) and their lm_head rows."""
-    if not 1 <= n <= target.vocab_size:
-        raise EagleError(f"draft_vocab must be from 1 to the vocabulary size {target.vocab_size} "
-                         f"(got {n}).")
+    check_size(target, n)
     ids = mx.array(np.sort(np.asarray(order[:n])).astype(np.int32))
     return DraftVocab(ids, lm_head_rows(target, ids))
 

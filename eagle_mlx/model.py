@@ -76,15 +76,13 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
 def attach_draft_vocab(head, target, tokenizer, n, data=None) -> None:
     """Make an EAGLE-1 head draft over the n most frequent target tokens."""
     from .demo import demo_ranking
-    from .draft_vocab import draft_vocab, token_ranking
+    from .draft_vocab import check_size, draft_vocab, token_ranking
     from .errors import EagleError
 
     if head.kind != "eagle1":
         raise EagleError("draft_vocab applies to EAGLE-1 heads; an EAGLE-3 head drafts over the "
                          "vocabulary it was trained with (its d2t).")
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= target.vocab_size:
-        raise EagleError(f"draft_vocab must be from 1 to the vocabulary size {target.vocab_size} "
-                         f"(got {n!r}).")
+    check_size(target, n)  # before counting tokens for the ranking
     order = demo_ranking(target) if data is None else None
     if order is None:
         order = token_ranking(tokenizer, target.vocab_size, data)

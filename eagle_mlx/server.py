@@ -155,7 +155,8 @@ class Engine:
                 self.current = None
 
     def _run(self, job: Job):
-        from .distributed import share_flag, share_text
+        from .distributed import (CANCELLED, CONTINUE, FINISHED, share_response_signal,
+                                  share_text)
         from .generation import stream_generate
 
         group = self.model.group
@@ -164,7 +165,8 @@ class Engine:
         for r in stream_generate(self.model, self.tokenizer, job.ids, prompt_cache=self.cache,
                                  settings=job.settings):
             last = r
-            if share_flag(group, job.cancelled.is_set()):  # the other ranks stop with it
+            if job.cancelled.is_set():
+                share_response_signal(group, CANCELLED)  # the other ranks stop with it
                 finish = "cancelled"
                 break
             held += r.text
@@ -177,7 +179,8 @@ class Engine:
                 finish = r.finish_reason
             if emit:
                 job.events.put(("text", emit))
-            if share_flag(group, cut is not None or r.finish_reason is not None):
+            done = cut is not None or r.finish_reason is not None
+            if share_response_signal(group, FINISHED if done else CONTINUE) != CONTINUE:
                 break
         if held and not by_string and finish != "cancelled":  # a stop string's start that ended it
             job.events.put(("text", held))
@@ -197,7 +200,7 @@ class Engine:
 def follow(model, tokenizer) -> None:
     """Ranks other than 0: run every generation rank 0's server runs, on this rank's shard,
     until it stops."""
-    from .distributed import share_flag, share_text
+    from .distributed import CONTINUE, share_response_signal, share_text
     from .generation import stream_generate
     from .speculative import PromptCache
     from .values import GenerationSettings
@@ -211,9 +214,7 @@ def follow(model, tokenizer) -> None:
         try:
             for r in stream_generate(model, tokenizer, spec["ids"], prompt_cache=cache,
                                      settings=GenerationSettings(**spec["settings"])):
-                if share_flag(model.group, False):
-                    break
-                if share_flag(model.group, False):
+                if share_response_signal(model.group, CONTINUE) != CONTINUE:
                     break
         except EagleError:
             pass  # rank 0 answers the request with the same error

@@ -607,12 +607,9 @@ def _main(argv):
         raise EagleError(f"the tokenizer of {args.model} has no chat template, which renders the "
                          "training conversations.")
     if args.kind == "eagle3":
-        from .checkpoint import EAGLE3_MIN_TARGET_LAYERS
+        from .checkpoint import check_eagle3_target
 
-        if target.num_layers < EAGLE3_MIN_TARGET_LAYERS:
-            raise EagleError(f"an EAGLE-3 head taps target layers {{2, L//2, L-3}}, which needs at "
-                             f"least {EAGLE3_MIN_TARGET_LAYERS} layers, but {args.model} has "
-                             f"{target.num_layers}.")
+        check_eagle3_target(target, "an EAGLE-3 head", args.model)
     conversations = load_conversations(args.data, args.num_conversations)
     trainer = TRAINERS[args.kind](target, tokenizer, conversations, args)
     started()
