@@ -1,14 +1,12 @@
-"""EAGLE head checkpoints: read the published ones, check them, write MLX folders.
+"""EAGLE head checkpoints: read the published ones and check them.
 
 Reads `pytorch_model.bin` (safely, without torch) or `model.safetensors`, detects
 EAGLE-1 vs EAGLE-3 from the keys, checks every key and shape (and the target, when
-given), and writes an MLX folder: config.json (the head config plus an "eagle" block
-saying the head kind and what it needs from its target) and model.safetensors.
-`load_head` accepts such a folder or an unconverted PyTorch one.
+given). `load_head` accepts an MLX folder (`head_io.save_head`: config.json with an "eagle"
+block saying the head kind and what it needs from its target, and model.safetensors) or an
+unconverted PyTorch one.
 """
 
-import json
-import sys
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -19,10 +17,8 @@ from mlx.utils import tree_flatten
 from .errors import EagleError
 from .heads import HEAD_CLASSES, HeadArgs
 from .hub import resolve
-from .outputs import atomic_dir
 from .target import read_config
 from .torch_pickle import load_torch_checkpoint
-from .values import DTYPES
 
 FORMAT_VERSION = 1
 HEAD_FILES = ["config.json", "model.safetensors", "pytorch_model.bin"]
@@ -221,52 +217,3 @@ def load_head(path_or_repo: str, target=None):
     """An EAGLE head from a converted MLX folder or a PyTorch one (converted in memory)."""
     config, weights, path = read_head(path_or_repo)
     return build_head(config, weights, path, target)
-
-
-def head_config(head, source_config: dict) -> dict:
-    config = {k: v for k, v in source_config.items() if k not in ("eagle", "quantization")}
-    a = head.args
-    config["eagle"] = {
-        "kind": head.kind,
-        "format_version": FORMAT_VERSION,
-        "target_hidden_size": a.target_width,
-        "target_vocab_size": a.vocab_size,
-        "feature_size": head.feature_size,
-        "target_min_layers": EAGLE3_MIN_TARGET_LAYERS if head.kind == "eagle3" else 1,
-    }
-    top1 = (source_config.get("eagle") or {}).get("held_out_top1")
-    if top1 is not None:  # what its trainer measured: acceptance far below it means a mismatch
-        config["eagle"]["held_out_top1"] = top1
-    if head.kind == "eagle1":
-        config["bias"] = a.bias
-    return config
-
-
-def save_head(head, source_config: dict, out: Path, dtype: Optional[str] = None,
-              q_bits: Optional[int] = None, q_group_size: int = 64) -> None:
-    from tqdm import tqdm
-
-    config = head_config(head, source_config)
-    params = dict(tree_flatten(head.parameters()))
-    if dtype:
-        params = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v
-                  for k, v in params.items()}
-        head.load_weights(list(params.items()))
-        config["torch_dtype"] = dtype
-    if q_bits:
-        nn.quantize(head, group_size=q_group_size, bits=q_bits,
-                    class_predicate=_quantize_predicate(q_group_size))
-        config["quantization"] = {"group_size": q_group_size, "bits": q_bits}
-        params = dict(tree_flatten(head.parameters()))
-    out_params = {}
-    for k, v in tqdm(params.items(), desc="writing head", unit="tensor",
-                     disable=not sys.stderr.isatty()):
-        mx.eval(v)
-        out_params[k] = v
-
-    def write(tmp: Path):
-        tmp.mkdir(parents=True)
-        mx.save_safetensors(str(tmp / "model.safetensors"), out_params, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-    atomic_dir(out, write)

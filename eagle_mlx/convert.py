@@ -87,7 +87,8 @@ def _main(argv) -> int:
         check_new_dir(model_out, "--model-mlx-path")
         if model_out.absolute() == out.absolute():
             raise EagleError("--model-mlx-path must differ from --mlx-path.")
-    from .checkpoint import build_head, read_head, save_head
+    from .checkpoint import build_head, read_head
+    from .head_io import save_head
 
     head = target = None
     if args.eagle:

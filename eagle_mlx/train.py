@@ -36,11 +36,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .checkpoint import head_config, save_head
+from .head_io import export_head, save_head
 from .cli import ArgumentParser, UsageError, run_cli, started
 from .data import load_conversations, render
 from .errors import EagleError
-from .outputs import atomic_dir, atomic_file, check_new_dir, check_writable_dir
+from .outputs import atomic_file, check_new_dir, check_writable_dir
 from .heads import Eagle1Head, Eagle3Head, HeadArgs
 from . import ttt
 
@@ -185,8 +185,7 @@ class Trainer:
         if tapped:
             out["taps"] = mx.stop_gradient(mx.concatenate(tapped, axis=-1).astype(mx.float32))
         if self.feature_cache is not None:
-            self.feature_cache.mkdir(parents=True, exist_ok=True)
-            mx.save_safetensors(str(key), out)
+            atomic_file(key, lambda t: mx.save_safetensors(str(t), out))
         return out
 
     # -------------------------------------------------------------- loss
@@ -448,30 +447,6 @@ class Eagle3Trainer(Trainer):
 
 
 TRAINERS = {"eagle1": Trainer, "eagle3": Eagle3Trainer}
-
-
-def export_head(head, config: dict, target, dest: Path) -> None:
-    """The published PyTorch-side layout: config.json + model.safetensors, official key
-    names. EAGLE-1 files carry the target's embedding; EAGLE-3 files carry none, but the
-    draft vocabulary both ways: `d2t` (int64 offsets: target id = draft id + d2t) and
-    `t2d` (a bool mask over the target's vocabulary)."""
-    params = {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
-              for k, v in tree_flatten(head.parameters())}
-    if head.kind == "eagle1":
-        params["embed_tokens.weight"] = target.embed_tokens.weight.astype(mx.float32)
-    else:
-        d2t = params["d2t"].astype(mx.int64)
-        t2d = np.zeros(head.args.vocab_size, dtype=bool)
-        t2d[np.array(d2t) + np.arange(d2t.shape[0])] = True
-        params["d2t"], params["t2d"] = d2t, mx.array(t2d)
-    cfg = {k: v for k, v in head_config(head, config).items() if k != "eagle"}
-
-    def write(tmp: Path):
-        tmp.mkdir(parents=True)
-        mx.save_safetensors(str(tmp / "model.safetensors"), params, metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-
-    atomic_dir(dest, write)
 
 
 def build_parser():

@@ -66,16 +66,13 @@ def read_tuning(head_path, target_path, dtype) -> Optional[dict]:
 
 
 def write_tuning(head_path, target_path, dtype, choice: dict) -> Path:
+    from .outputs import atomic_file
+
     f = tuning_path(head_path, target_path, dtype)
-    tmp = f.with_name(f".{f.name}.tmp-{os.getpid()}")
+    text = json.dumps({"key": _key(head_path, target_path, dtype), "choice": choice},
+                      indent=2) + "\n"
     try:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"key": _key(head_path, target_path, dtype), "choice": choice},
-                                  indent=2) + "\n")
-        os.replace(tmp, f)
-    except OSError as e:
-        if tmp.parent.is_dir():
-            tmp.unlink(missing_ok=True)
-        raise EagleError(f"could not write the tuning to {f} ({e.strerror}); set {CACHE_ENV} "
-                         "to a writable folder.") from None
+        atomic_file(f, lambda tmp: tmp.write_text(text))
+    except EagleError as e:
+        raise EagleError(f"{str(e).rstrip('.')}; set {CACHE_ENV} to a writable folder.") from None
     return f

@@ -138,7 +138,8 @@ def previous_segments(work: Path) -> list:
 
 
 def ship(work: Path, target: Path, kind: str, kind_args: list):
-    from eagle_mlx.checkpoint import load_head, save_head
+    from eagle_mlx.checkpoint import load_head
+    from eagle_mlx.head_io import save_head
     from eagle_mlx.target import load_target
 
     state = json.loads((work / "trainer_state.json").read_text())

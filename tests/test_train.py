@@ -152,7 +152,7 @@ def test_a_run_starts_from_an_existing_head_and_counts_its_tokens(setup):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from eagle_mlx.checkpoint import save_head
+    from eagle_mlx.head_io import save_head
 
     quantized = root / "seg1-q8"
     save_head(load_head(str(first / "head"), t),
