@@ -82,14 +82,14 @@ def smooth_l1(x, y):
     return mx.where(d < 1.0, 0.5 * d * d, d - 0.5)
 
 
-class Trainer:
-    """EAGLE-1 training; `Eagle3Trainer` changes the head, its inputs and the loss."""
-
-    kind = "eagle1"
+class ConversationData:
+    """What a head trains on: conversations rendered with the target's chat template (loss
+    on the assistant tokens), split by the seed into training and held-out ones, in a
+    shuffled order per epoch, batched; the target's features of a batch computed when asked
+    for (or read from the --cache-features folder)."""
 
     def __init__(self, target, tokenizer, conversations, args):
         self.target, self.tokenizer, self.args = target, tokenizer, args
-        self.out = Path(args.out)
         rng = np.random.default_rng(args.seed)
         order = rng.permutation(len(conversations))
         n_eval = min(args.eval_conversations, max(len(conversations) // 10, 1))
@@ -100,6 +100,70 @@ class Trainer:
         self.conversations = conversations
         self._rendered = {}
         self.feature_cache = Path(args.cache_features) if args.cache_features else None
+
+    def training_conversations(self) -> list:
+        return [self.conversations[i] for i in self.train_ids]
+
+    def rendered(self, i):
+        if i not in self._rendered:
+            self._rendered[i] = render(self.tokenizer, self.conversations[i], self.args.max_len)
+        return self._rendered[i]
+
+    def epoch_order(self, epoch):
+        rng = np.random.default_rng([self.args.seed, epoch])
+        return [self.train_ids[j] for j in rng.permutation(len(self.train_ids))]
+
+    def batch(self, ids):
+        rows = [r for r in (self.rendered(i) for i in ids) if r is not None and sum(r[1]) > 0]
+        if not rows:
+            return None
+        L = max(len(t) for t, _ in rows)
+        tokens = np.zeros((len(rows), L), dtype=np.int32)
+        mask = np.zeros((len(rows), L), dtype=np.float32)
+        for b, (t, m) in enumerate(rows):
+            tokens[b, : len(t)] = t
+            mask[b, : len(m)] = m
+        return mx.array(tokens), mx.array(mask), [i for i in ids], sum(len(t) for t, _ in rows)
+
+    def tokens_until(self, epoch, position):
+        """Training tokens of every batch before (epoch, position), by replaying the order."""
+        total = 0
+        for e in range(epoch + 1):
+            order = self.epoch_order(e)
+            end = position if e == epoch else len(order)
+            for s in range(0, end, self.args.batch_size):
+                b = self.batch(order[s: s + self.args.batch_size])
+                total += b[3] if b is not None else 0
+        return total
+
+    def features(self, tokens, ids, kind, taps):
+        """Target post-norm features [B, L, H] (and the tapped layer inputs), computed now
+        or read from the cache."""
+        if self.feature_cache is not None:
+            key = self.feature_cache / f"{kind}_{'-'.join(map(str, ids))}_{tokens.shape[1]}.safetensors"
+            if key.is_file():
+                return mx.load(str(key))
+        hidden, tapped = self.target(tokens, taps=taps)
+        out = {"hidden": mx.stop_gradient(hidden.astype(mx.float32))}
+        if tapped:
+            out["taps"] = mx.stop_gradient(mx.concatenate(tapped, axis=-1).astype(mx.float32))
+        if self.feature_cache is not None:
+            atomic_file(key, lambda t: mx.save_safetensors(str(t), out))
+        return out
+
+
+class Trainer:
+    """EAGLE-1 training over `data` (a ConversationData): the head, the optimizer and the
+    run's progress (state), and the loop; `Eagle3Trainer` changes the head, its inputs and
+    the loss."""
+
+    kind = "eagle1"
+    taps = ()  # target layers whose inputs the head reads (EAGLE-3)
+
+    def __init__(self, target, data, args):
+        self.target, self.data, self.args = target, data, args
+        self.tokenizer = data.tokenizer
+        self.out = Path(args.out)
         self.config = self.make_config()
         mx.random.seed(args.seed)  # the head's initial weights
         self.head = self.make_head()
@@ -138,56 +202,6 @@ class Trainer:
         self.head.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating)
                                  else v) for k, v in theirs.items()])
 
-    # -------------------------------------------------------------- data
-    def rendered(self, i):
-        if i not in self._rendered:
-            self._rendered[i] = render(self.tokenizer, self.conversations[i], self.args.max_len)
-        return self._rendered[i]
-
-    def epoch_order(self, epoch):
-        rng = np.random.default_rng([self.args.seed, epoch])
-        return [self.train_ids[j] for j in rng.permutation(len(self.train_ids))]
-
-    def batch(self, ids):
-        rows = [r for r in (self.rendered(i) for i in ids) if r is not None and sum(r[1]) > 0]
-        if not rows:
-            return None
-        L = max(len(t) for t, _ in rows)
-        tokens = np.zeros((len(rows), L), dtype=np.int32)
-        mask = np.zeros((len(rows), L), dtype=np.float32)
-        for b, (t, m) in enumerate(rows):
-            tokens[b, : len(t)] = t
-            mask[b, : len(m)] = m
-        return mx.array(tokens), mx.array(mask), [i for i in ids], sum(len(t) for t, _ in rows)
-
-    def tokens_until(self, epoch, position):
-        """Training tokens of every batch before (epoch, position), by replaying the order."""
-        total = 0
-        for e in range(epoch + 1):
-            order = self.epoch_order(e)
-            end = position if e == epoch else len(order)
-            for s in range(0, end, self.args.batch_size):
-                b = self.batch(order[s: s + self.args.batch_size])
-                total += b[3] if b is not None else 0
-        return total
-
-    taps = ()  # target layers whose inputs the head reads (EAGLE-3)
-
-    def features(self, tokens, ids):
-        """Target post-norm features [B, L, H] (and the tapped layer inputs), computed now
-        or read from the cache."""
-        if self.feature_cache is not None:
-            key = self.feature_cache / f"{self.kind}_{'-'.join(map(str, ids))}_{tokens.shape[1]}.safetensors"
-            if key.is_file():
-                return mx.load(str(key))
-        hidden, tapped = self.target(tokens, taps=self.taps)
-        out = {"hidden": mx.stop_gradient(hidden.astype(mx.float32))}
-        if tapped:
-            out["taps"] = mx.stop_gradient(mx.concatenate(tapped, axis=-1).astype(mx.float32))
-        if self.feature_cache is not None:
-            atomic_file(key, lambda t: mx.save_safetensors(str(t), out))
-        return out
-
     # -------------------------------------------------------------- loss
     def loss(self, head, feats, toks, target_feats, target_p, mask, sel):
         """The recipe's loss; the vocabulary-wide part (logits, log-softmax, cross-entropy,
@@ -203,7 +217,7 @@ class Trainer:
                                      "correct": correct[None], "count": mask.sum()[None]}
 
     def prepare(self, tokens, mask, ids, step_for_noise=None):
-        hidden = self.features(tokens, ids)["hidden"]
+        hidden = self.data.features(tokens, ids, self.kind, self.taps)["hidden"]
         feats, target_feats = self.noised(hidden[:, :-1], step_for_noise), hidden[:, 1:]
         mask = mask[:, :-1]
         sel = counted(mask)
@@ -243,8 +257,9 @@ class Trainer:
 
     def evaluate(self):
         total, sums, n_batches = 0.0, None, 0
-        for s in range(0, len(self.eval_ids), self.args.batch_size):
-            b = self.batch(self.eval_ids[s: s + self.args.batch_size])
+        eval_ids = self.data.eval_ids
+        for s in range(0, len(eval_ids), self.args.batch_size):
+            b = self.data.batch(eval_ids[s: s + self.args.batch_size])
             if b is None:
                 continue
             loss, stats = self.loss(self.head, *self.prepare(*b[:3]))
@@ -266,7 +281,7 @@ class Trainer:
         arrays = {f"head.{k}": v for k, v in tree_flatten(self.head.parameters())}
         arrays.update({f"opt.{k}": v for k, v in tree_flatten(self.optimizer.state)})
         state = {"step": self.step, "epoch": self.epoch, "position": self.position,
-                 "seed": self.args.seed, "train_conversations": len(self.train_ids),
+                 "seed": self.args.seed, "train_conversations": len(self.data.train_ids),
                  "kind": self.kind, "draft_vocab_size": self.head.draft_vocab_size,
                  "tokens": self.tokens, "seconds": round(self.seconds, 1)}
         # each file is replaced whole; the state names the step, so it is written last
@@ -286,7 +301,7 @@ class Trainer:
             raise EagleError(f"--resume: no checkpoint in {self.out} ({STATE_FILE} and "
                              f"{CHECKPOINT_FILE} are written by an earlier run with --out there).")
         state = json.loads(state_file.read_text())
-        if state["train_conversations"] != len(self.train_ids) or state["seed"] != self.args.seed:
+        if state["train_conversations"] != len(self.data.train_ids) or state["seed"] != self.args.seed:
             raise EagleError(f"--resume: the checkpoint in {self.out} was made with other data or "
                              "another --seed; resume with the same --data, --num-conversations and --seed.")
         if state.get("kind", "eagle1") != self.kind:
@@ -311,7 +326,7 @@ class Trainer:
                 atomic_file(log, lambda t: t.write_text("".join(r + "\n" for r in kept)))
         self.seconds = float(state.get("seconds", 0.0))
         self.tokens = state["tokens"] if "tokens" in state else \
-            self.tokens_until(self.epoch, self.position)
+            self.data.tokens_until(self.epoch, self.position)
 
     # -------------------------------------------------------------- loop
     def run(self):
@@ -356,16 +371,16 @@ class Trainer:
 
     def _loop(self, log, start, before, bar):
         args = self.args
-        order = self.epoch_order(self.epoch)
+        order = self.data.epoch_order(self.epoch)
         self.last_eval = last_eval = {}
         empty = 0  # batches in a row without a trainable token
         while self.step < args.max_steps and not self.interrupted and (
                 args.max_time is None or time.time() - start < args.max_time):
             if self.position >= len(order):
                 self.epoch, self.position = self.epoch + 1, 0
-                order = self.epoch_order(self.epoch)
+                order = self.data.epoch_order(self.epoch)
             ids = order[self.position: self.position + args.batch_size]
-            b = self.batch(ids)
+            b = self.data.batch(ids)
             if b is None:
                 self.position += args.batch_size
                 empty += 1
@@ -409,7 +424,7 @@ class Eagle3Trainer(Trainer):
         config["draft_vocab_size"] = n
         config["tie_word_embeddings"] = False
         # the recipe's draft vocabulary: the most frequent tokens of the training answers
-        counts = count_tokens(self.tokenizer, [self.conversations[i] for i in self.train_ids], V)
+        counts = count_tokens(self.tokenizer, self.data.training_conversations(), V)
         self.d2t, self.t2d = eagle3_mapping(counts, n)
         self.draft_ids = mx.array((self.d2t + np.arange(n)).astype(np.int32))
         self.t2d_mx = mx.array(self.t2d)
@@ -435,7 +450,7 @@ class Eagle3Trainer(Trainer):
                        "count": mx.stack(counts)}
 
     def prepare(self, tokens, mask, ids, step_for_noise=None):
-        f = self.features(tokens, ids)
+        f = self.data.features(tokens, ids, self.kind, self.taps)
         feats, hidden = self.noised(f["taps"][:, :-1], step_for_noise), f["hidden"][:, 1:]
         T = feats.shape[1]
         sel = counted(mask[:, :-1])
@@ -586,7 +601,8 @@ def _main(argv):
 
         check_eagle3_target(target, "an EAGLE-3 head", args.model)
     conversations = load_conversations(args.data, args.num_conversations)
-    trainer = TRAINERS[args.kind](target, tokenizer, conversations, args)
+    trainer = TRAINERS[args.kind](target, ConversationData(target, tokenizer, conversations, args),
+                                  args)
     started()
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
