@@ -131,7 +131,16 @@ class Engine:
             tree = self.draft(state)
             verified = self.verify(state, tree)
             accepted = self.accept(tree, verified)
-            return self.update(state, tree, verified, accepted)
+            step = self.update(state, tree, verified, accepted)
+            # the device keeps the accepted rows while the caller handles the tokens
+            # (mlx-lm's async_eval pattern): the next cycle starts from evaluated caches
+            mx.async_eval(*self.updated_arrays(state))
+        return step
+
+    def updated_arrays(self, state: State) -> list:
+        """What the update leaves to evaluate: the kept features and every layer's cache."""
+        return ([] if state.feats is None else [state.feats]) + \
+            self.target.cache_arrays(state.caches)
 
     def draft(self, state: State) -> Tree:
         """1. the drafter catches up on the new positions and proposes a tree."""
@@ -169,10 +178,6 @@ class Engine:
         out = [tokens[i] for i in path[1:]] + [root_token]
         state.tokens = mx.array(out, dtype=mx.int32)
         state.root = mx.array(root_token)
-        # the device keeps the accepted rows while the caller handles the tokens
-        # (mlx-lm's async_eval pattern): the next cycle starts from evaluated caches
-        mx.async_eval(*([] if state.feats is None else [state.feats]),
-                      *self.target.cache_arrays(state.caches))
         state.history += out
         return Step(out, len(path) - 1, drafted=tree, tree_tokens=tokens)
 

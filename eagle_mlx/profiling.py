@@ -79,6 +79,5 @@ def profiled_cycle(engine, state, timer: PhaseTimer):
         accepted = engine.accept(tree, verified)
         timer.lap("accept", *accepted, tree.tokens)
         step = engine.update(state, tree, verified, accepted)
-        timer.lap("update", *([] if state.feats is None else [state.feats]),
-                  *engine.target.cache_arrays(state.caches))
+        timer.lap("update", *engine.updated_arrays(state))
     return step
