@@ -277,7 +277,7 @@ def write_shard(out: Path, number: int, done: list):
             "tokens": int(len(tokens)), "answer_tokens": int(arrays["loss_mask"].sum())}
 
 
-POOL_BATCHES = 4  # conversations kept ready: batches are picked from this many batch sizes
+POOL_BATCHES = 2  # conversations in flight: batches are picked from this many batch sizes
 
 
 def take_batch(pending: deque, size: int) -> list:
