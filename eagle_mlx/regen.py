@@ -1,7 +1,6 @@
 """`python -m eagle_mlx.regen`: the target's own answers, with the features a head trains on.
 
     python -m eagle_mlx.regen --model ... --out features/ --num-conversations 20000
-    python -m eagle_mlx.train --model ... --features features/ --out head-run ...
 
 A head drafts what its target will say, so recent EAGLE recipes train it on the target's
 own answers (self-distillation) rather than on ChatGPT's. Every user turn of a
@@ -10,18 +9,21 @@ history. The pass that writes a conversation's last answer also reads the whole
 conversation (the history as its prompt, then each answer token as it is fed back), and
 keeps, for every token, what a head trains on: the post-norm last hidden state (EAGLE-1
 features, and through `lm_head` the target's distribution) and the inputs of the EAGLE-3
-tap layers. These go to float16 shards (safetensors) beside an `index.json`;
-`train --features` then trains without running the target at all.
+tap layers. These go to float16 shards (safetensors) beside an `index.json`, with each
+shard's conversations as ShareGPT-style JSON lines (`train --data` reads those).
 
 Rows are batched in mlx-lm's batch KV cache (left padding, per-row offsets) and run
 through mlx-lm's own model modules; mlx-lm's `BatchGenerator` does not return hidden
 states, so the decoding loop is ours. The output grows a shard at a time and the index is
 replaced atomically after each: run the same command again (or with a larger
---num-conversations) to continue; nothing is written twice.
+--num-conversations) to continue; nothing is written twice. Stopped (Ctrl-C, SIGTERM), a run
+writes the conversations under way as far as their last answered turn, so no answer is lost.
 """
 
 import json
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -131,6 +133,7 @@ class Conversation:
         self.users = [m for m in messages[first:] if m["role"] == "user"]
         self.turn = 0
         self.prompt = None
+        self.record = None  # the conversation up to its last answered turn, with its features
 
     def next_prompt(self, tokenizer, max_tokens, max_len):
         """Token ids of the next turn's prompt, or None when the conversation is done (no
@@ -374,6 +377,11 @@ def _main(argv) -> int:
             write_index(out, index)
             written += len(part)
 
+    batch = []
+    previous = signal.getsignal(signal.SIGTERM)
+    on_main = threading.current_thread() is threading.main_thread()
+    if on_main:  # a stopped run (Ctrl-C, SIGTERM) keeps what it has answered
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         refill()
         while pending:
@@ -383,21 +391,38 @@ def _main(argv) -> int:
                 text = tokenizer.decode([t for t in answer if t not in eos])
                 prompt, prompt_messages = c.prompt, c.history + [c.users[c.turn]]
                 c.answered(text)
+                mask = history_mask(tokenizer, prompt_messages, prompt) + [1] * len(answer)
+                c.record = {"index": c.index, "tokens": list(prompt) + answer, "mask": mask,
+                            "feats": feats, "turns": _turns(c.history)}
                 if c.next_prompt(tokenizer, args.max_tokens, args.max_len) is not None:
                     pending.append(c)
-                    continue
-                mask = history_mask(tokenizer, prompt_messages, prompt) + [1] * len(answer)
-                finished.append({"index": c.index, "tokens": list(prompt) + answer,
-                                 "mask": mask, "feats": feats, "turns": _turns(c.history)})
-                bar.update(1)
+                else:
+                    finished.append(c.record)
+                    bar.update(1)
+            batch = []
             flush()
             refill()
         flush(final=True)
+    except KeyboardInterrupt:
+        # conversations under way end at their last answered turn: nothing answered is lost
+        cut = [c.record for c in list(batch) + list(pending) if c.record is not None]
+        finished += cut
+        flush(final=True)
+        bar.close()
+        print(f"stopped: wrote {written} conversations to {out}, {len(cut)} of them cut at "
+              "their last answered turn; the same command continues", file=sys.stderr)
+        return 130
     finally:
         bar.close()
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
     print(f"wrote {written} conversations to {out} "
           f"({sum(s['tokens'] for s in index['shards'])} tokens in {len(index['shards'])} shards)")
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main(argv=None) -> int:

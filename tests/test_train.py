@@ -218,3 +218,52 @@ def test_regen_writes_the_targets_answers_and_features_and_continues(setup, tmp_
                for line in (out / s["text"]).read_text().splitlines()]
     assert len(load_conversations(str(out / index["shards"][0]["text"]))) == 2
     assert sorted(r["source_index"] for r in answers) == list(range(7))
+
+
+def test_regen_stopped_keeps_what_it_answered_and_continues(setup, tmp_path):
+    """SIGTERM mid-run: exit 130, the conversations under way written as far as their last
+    answered turn (their features still the target's own), and the same command then adds
+    the rest, every conversation once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    root, target, data = setup
+    out = tmp_path / "features"
+    cmd = [sys.executable, "-m", "eagle_mlx.regen", "--model", str(target), "--data", str(data),
+           "--out", str(out), "--max-tokens", "12", "--max-len", "96", "--batch-size", "2",
+           "--shard-conversations", "1", "--num-conversations", "40", "--no-taps", "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:  # a first shard, then stop it
+            index = out / "index.json"
+            if index.is_file() and json.loads(index.read_text())["shards"]:
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "cut at their last answered turn" in err and "Traceback" not in err, err
+    first = [i for s in json.loads((out / "index.json").read_text())["shards"] for i in s["sources"]]
+    assert 0 < len(first) < 40
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    assert proc.returncode == 0, proc.stderr
+    index = json.loads((out / "index.json").read_text())
+    sources = [i for s in index["shards"] for i in s["sources"]]
+    assert sorted(sources) == list(range(40))
+    t, _ = load_target(str(target))
+    for s in index["shards"][: len(first)]:  # the stopped run's, cut ones included
+        a = load_file(str(out / s["file"]))
+        hidden, _ = t(mx.array(a["tokens"])[None])
+        want = np.array(hidden[0])
+        assert (np.abs(a["hidden"].astype(np.float32) - want) <= 1e-3 * np.abs(want) + 1e-4).all()
