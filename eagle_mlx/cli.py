@@ -226,10 +226,9 @@ def chat_prompt(tokenizer, messages, use_template: bool = True):
     """Token ids of a conversation: the chat template when the tokenizer has one, else the
     messages' text, one per line."""
     if use_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):  # transformers >= 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        from .data import template_ids
+
+        return template_ids(tokenizer, messages, True)
     from .generation import encode_prompt
 
     return encode_prompt(tokenizer, "\n".join(m["content"] for m in messages))

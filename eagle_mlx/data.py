@@ -92,6 +92,14 @@ def load_conversations(path: Optional[str] = None, limit: Optional[int] = None) 
     return conversations
 
 
+def template_ids(tokenizer, messages: list, add_generation_prompt: bool) -> List[int]:
+    """Token ids of messages through the chat template (transformers >= 5 returns a
+    BatchEncoding where older versions return a list)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
+    return list(out if isinstance(out, list) else out["input_ids"])
+
+
 def render(tokenizer, messages: list, max_len: int) -> Optional[Tuple[List[int], List[int]]]:
     """(token ids, loss mask) of a conversation through the chat template, cut at max_len.
 
@@ -99,9 +107,7 @@ def render(tokenizer, messages: list, max_len: int) -> Optional[Tuple[List[int],
     rendered up to it (with the generation prompt) and rendered including it.
     Returns None when the template does not render prefixes consistently."""
     def ids_of(msgs, add_generation_prompt):
-        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
-                                            tokenize=True)
-        return list(out if isinstance(out, list) else out["input_ids"])
+        return template_ids(tokenizer, msgs, add_generation_prompt)
 
     ids, mask = [], []
     for j, m in enumerate(messages):

@@ -100,22 +100,18 @@ def write_index(out: Path, index: dict) -> None:
 
 
 # ------------------------------------------------------------------ conversations
-def _template_ids(tokenizer, messages, add_generation_prompt):
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        tokenize=True)
-    return list(ids if isinstance(ids, list) else ids["input_ids"])
-
-
 def history_mask(tokenizer, messages, prompt_ids):
     """Loss mask over a prompt that holds earlier assistant answers: 1 on their tokens
     (found as the template rendered up to each answer and including it); all 0 where the
     template does not render prefixes consistently."""
+    from .data import template_ids
+
     mask = [0] * len(prompt_ids)
     for j, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = _template_ids(tokenizer, messages[:j], True)
-        full = _template_ids(tokenizer, messages[: j + 1], False)
+        start = template_ids(tokenizer, messages[:j], True)
+        full = template_ids(tokenizer, messages[: j + 1], False)
         if full[: len(start)] != start or prompt_ids[: len(full)] != full:
             return [0] * len(prompt_ids)
         for p in range(len(start), len(full)):
@@ -140,8 +136,10 @@ class Conversation:
         user turn left, or the next one does not fit in max_len with its answer)."""
         if self.turn >= len(self.users):
             return None
+        from .data import template_ids
+
         messages = self.history + [self.users[self.turn]]
-        ids = _template_ids(tokenizer, messages, True)
+        ids = template_ids(tokenizer, messages, True)
         if len(ids) + max_tokens > max_len:
             return None
         self.prompt = ids
