@@ -1,9 +1,12 @@
-"""KV cache for tree verification: append a whole tree, then keep only the accepted rows."""
+"""KV caches for tree verification: append a whole tree, then keep only the accepted rows.
+
+Full-attention layers keep every position (`TreeKVCache`); sliding-window layers keep a
+window of the latest positions plus room for what is appended next (`WindowKVCache`).
+"""
 
 import mlx.core as mx
 
-from .mlxlm import KVCache
-
+from .mlxlm import KVCache, create_causal_mask
 
 class TreeKVCache(KVCache):
     """mlx-lm's pre-allocated KV cache (grown in steps of 256 slots) plus `keep`, the one
@@ -14,12 +17,18 @@ class TreeKVCache(KVCache):
     the model. Nothing is reallocated: the gather writes into the same buffer.
     """
 
+    base = 0  # the position of slot 0 (a full cache holds every position)
+
     def keep(self, start: int, rows: mx.array) -> None:
         """Move slots `rows` (absolute, each >= start) to start.. and drop the rest."""
         n = rows.shape[0]
         self.keys[..., start : start + n, :] = mx.take(self.keys, rows, axis=2)
         self.values[..., start : start + n, :] = mx.take(self.values, rows, axis=2)
         self.offset = start + n
+
+    def reusable(self, length: int) -> bool:
+        """Whether the cache can be cut back to its first `length` positions."""
+        return True
 
     def truncate(self, length: int) -> None:
         """Forget everything after the first `length` slots (mlx-lm's `trim`)."""
@@ -29,3 +38,88 @@ class TreeKVCache(KVCache):
     def arrays(self):
         """The buffers to evaluate once a cycle has updated them."""
         return () if self.keys is None else (self.keys, self.values)
+
+
+class WindowKVCache(TreeKVCache):
+    """The cache of a sliding-window layer: the last `window - 1` positions (all a new
+    token can see besides itself) plus room for a prefill chunk or a tree, in slots that
+    never wrap.
+
+    Slot i holds absolute position `base + i`; positions stay in order, so a tree's rows
+    are appended and kept exactly as in a full cache, and cutting back is exact while the
+    positions it needs are still held. When an update would overflow the buffer, the
+    positions no new token can see are dropped: the kept ones are copied to the front of a
+    buffer sized for them, the update and `room` (= window) more slots, so the copy (window
+    slots) is paid once per ~window tokens, and the buffer holds at most about twice the
+    window besides a prefill chunk or a tree. Between such copies the buffer also holds positions
+    older than the window; the band mask (`make_mask`, `band`) hides them.
+    """
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window = window
+        self.room = window  # slots beyond what an update needs: a copy per ~window tokens
+        self.base = 0
+
+    def base_after(self, n: int) -> int:
+        """The position of slot 0 once `n` new positions are appended."""
+        if self.keys is None or self.offset - self.base + n <= self.keys.shape[2]:
+            return self.base
+        return max(self.base, self.offset - self.window + 1)
+
+    def update_and_fetch(self, keys, values):
+        n = keys.shape[2]
+        base = self.base_after(n)
+        if self.keys is None or self.offset - self.base + n > self.keys.shape[2]:
+            held = self.offset - base
+            size = held + n + self.room
+            k = mx.zeros((*keys.shape[:2], size, keys.shape[3]), keys.dtype)
+            v = mx.zeros((*values.shape[:2], size, values.shape[3]), values.dtype)
+            if self.keys is not None and held:
+                k[..., :held, :] = self.keys[..., base - self.base : self.offset - self.base, :]
+                v[..., :held, :] = self.values[..., base - self.base : self.offset - self.base, :]
+            self.keys, self.values, self.base = k, v, base
+        start = self.offset - self.base
+        self.keys[..., start : start + n, :] = keys
+        self.values[..., start : start + n, :] = values
+        self.offset += n
+        return self.keys[..., : self.offset - self.base, :], \
+            self.values[..., : self.offset - self.base, :]
+
+    @property
+    def state(self):
+        return () if self.keys is None else (self.keys[..., : self.offset - self.base, :],
+                                             self.values[..., : self.offset - self.base, :])
+
+    def band(self, queries: mx.array, n: int) -> mx.array:
+        """[T, keys] True where a query at absolute position `queries[t]` is within the
+        window of the key in each slot, for an update of n positions (the tree's own rows
+        carry the queries' positions)."""
+        base = self.base_after(n)
+        held = mx.arange(base, self.offset)
+        kpos = mx.concatenate([held, queries]) if self.offset > base else queries
+        return (queries[:, None] - kpos[None, :]) < self.window
+
+    def make_mask(self, n: int, window_size=None, return_array: bool = False):
+        """mlx-lm's mask call (its models ask the first cache of each kind): causal within
+        the window, over this cache's slots."""
+        base = self.base_after(n)
+        if n == 1 and self.offset - base < self.window:
+            return None  # every held position is within the window
+        return create_causal_mask(n, self.offset - base, window_size=self.window)
+
+    def keep(self, start: int, rows: mx.array) -> None:
+        b = self.base
+        super().keep(start - b, rows - b)
+        self.offset += b
+
+    def reusable(self, length: int) -> bool:
+        # the next token at `length` must see positions length-window+1.. (all held)
+        return length >= self.offset or self.base == 0 or length - self.base >= self.window - 1
+
+    def truncate(self, length: int) -> None:
+        if length >= self.offset:
+            return
+        if not self.reusable(length):
+            raise ValueError(f"positions before {self.base} are no longer cached")
+        self.offset = length

@@ -126,7 +126,8 @@ def lm_head_rows(target, ids: mx.array) -> mx.array:
     """Rows of the target's output matrix (dequantized where it is quantized)."""
     import mlx.nn as nn
 
-    head = target.model.lm_head if hasattr(target.model, "lm_head") else target.embed_tokens
+    lm = target.family.lm
+    head = lm.lm_head if hasattr(lm, "lm_head") else target.embed_tokens
     if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         w = mx.dequantize(head.weight[ids], head.scales[ids],
                           None if head.biases is None else head.biases[ids],

@@ -56,6 +56,11 @@ class PromptCache:
         limit = min(self.length, len(self.tokens), len(prompt) - 1)
         while common < limit and self.tokens[common] == prompt[common]:
             common += 1
+        if not target.reusable(self.target, common):
+            # a sliding window has dropped positions the new tokens would see: start over
+            self.target = target.make_cache()
+            self.draft = None if drafter is None else drafter.new_state()
+            self.features, common = None, 0
         if self.draft is not None:
             seen = self.drafter.offset(self.draft)
             if common < seen:
@@ -86,7 +91,7 @@ def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
     start = pc.reuse(target, None, prompt)
     cached = list(prompt)
     n = len(prompt)  # tokens in the cache once the last yielded token is fed
-    for token, _ in generate_step(mx.array(list(prompt[start:])), target.model, max_tokens=-1,
+    for token, _ in generate_step(mx.array(list(prompt[start:])), target.plain_model, max_tokens=-1,
                                   sampler=sampling.pick, prompt_cache=pc.target,
                                   prefill_step_size=PREFILL_STEP_SIZE):
         token = int(token)

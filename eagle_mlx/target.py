@@ -1,11 +1,12 @@
-"""Tree-capable targets: mlx-lm's Llama, Mistral, Mixtral, Qwen2, Qwen3 and Qwen3-MoE models,
-verified a whole tree at a time.
+"""Tree-capable targets: mlx-lm's models of the families in SUPPORTED_MODEL_TYPES, verified
+a whole tree at a time.
 
 mlx-lm builds and loads the model (HF folders, sharded and mlx-community checkpoints,
 quantized weights, the tokenizer with its chat template). `Target` runs the same
 modules with what verification needs and mlx-lm's forward lacks: per-token position
-ids, an explicit mask over cache + new tokens, the post-norm hidden state (EAGLE-1/2
-features) and the inputs of chosen decoder layers (EAGLE-3 features).
+ids, an explicit mask over cache + new tokens (each sliding-window layer: within its
+window), the post-norm hidden state (EAGLE-1/2 features) and the inputs of chosen decoder
+layers (EAGLE-3 features). How each family runs its layers: `families.py`.
 """
 
 import glob
@@ -18,44 +19,31 @@ import mlx.nn as nn
 
 from .cache import TreeKVCache
 from .errors import EagleError, reason
+from .families import FAMILIES, AttentionMechanism, Forward, RopeContext, family_of, \
+    install_positions, untruncated_yarn
 from .gguf import find_gguf, load_gguf
 from .hub import resolve
-from .layers import attention
 from .values import DTYPE_CHOICES
 
-# mlx-lm decoders of the standard shape (norm -> attention with q/k/v/o and RoPE, optional
-# q/k norms -> norm -> MLP or sparse MoE), each tested against transformers
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
-
-
-class AttentionMechanism:
-    """The layer mechanism of a standard decoder layer (norm -> attention -> norm -> MLP or
-    MoE): what it needs in a tree verify (per-token positions, the tree mask) and what its
-    cache does after acceptance (keep the accepted rows). Other kinds of layer (sliding
-    windows, recurrent state) bring their own mechanism with the same four methods."""
-
-    def make_cache(self):
-        return TreeKVCache()
-
-    def __call__(self, target, layer, h, cache, positions, mask):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        r = attention(
-            attn, attn.q_proj(x), attn.k_proj(x), attn.v_proj(x),
-            target.n_heads, target.n_kv_heads, cache, positions, mask,
-        )
-        h = h + attn.o_proj(r)
-        ffn = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
-        return h + ffn(layer.post_attention_layernorm(h))
-
-    def accept(self, cache, start: int, rows: mx.array) -> None:
-        cache.keep(start, rows)
-
-    def truncate(self, cache, length: int) -> None:
-        cache.truncate(length)
-
+# mlx-lm decoders whose tree forward is tested against transformers: the standard shape
+# (norm -> attention with q/k/v/o and RoPE, optional q/k norms -> norm -> MLP or sparse
+# MoE) and the sliding-window / attention-sink families
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+QUANTIZATION_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")  # what mx.dequantize reads
 
 ATTENTION = AttentionMechanism()
+
+
+class TargetLM:
+    """The target's own forward as an mlx-lm model (`model(inputs, cache=...)` -> logits),
+    for plain decoding where mlx-lm's forward lacks what the config asks for."""
+
+    def __init__(self, target: "Target"):
+        self.target = target
+
+    def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
+        hidden, _ = self.target(inputs, cache)
+        return self.target.lm_head(hidden)
 
 
 class Target:
@@ -65,24 +53,35 @@ class Target:
         self.model = model
         self.config = config
         self.path = path
-        self.layers = model.layers
+        self.family = family_of(model, config)
+        text = self.family.text_config()
+        self.layers = self.family.inner.layers
         self.num_layers = len(self.layers)
-        self.hidden_size = config["hidden_size"]
-        self.vocab_size = config["vocab_size"]
+        self.hidden_size = text["hidden_size"]
+        emb = self.embed_tokens
+        self.vocab_size = getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
         self.model_type = config["model_type"]
-        self.max_context = int(config.get("max_position_embeddings") or 4096)
+        self.max_context = int(text.get("max_position_embeddings")
+                               or config.get("max_position_embeddings") or 4096)
         attn = self.layers[0].self_attn
-        self.n_heads = getattr(attn, "n_heads", None) or attn.num_heads
-        self.n_kv_heads = getattr(attn, "n_kv_heads", None) or attn.num_key_value_heads
-        self.mechanisms = [ATTENTION] * self.num_layers  # one per decoder layer
+        self.n_heads = getattr(attn, "n_heads", None) or getattr(attn, "num_heads", None) \
+            or getattr(attn, "num_attention_heads", None)
+        self.n_kv_heads = getattr(attn, "n_kv_heads", None) \
+            or getattr(attn, "num_key_value_heads", None)
+        self.windows = self.family.windows()
+        self.mechanisms = [ATTENTION if w is None and s is None else AttentionMechanism(w, s)
+                           for w, s in zip(self.windows, self.family.sources())]
+        self._rope = RopeContext()
+        untruncated_yarn(self.family)
+        install_positions(self.family, self._rope)
 
     @property
     def embed_tokens(self) -> nn.Module:
-        return self.model.model.embed_tokens
+        return self.family.inner.embed_tokens
 
     @property
     def dtype(self) -> mx.Dtype:
-        return self.model.model.norm.weight.dtype
+        return self.family.inner.norm.weight.dtype
 
     @property
     def eagle3_taps(self) -> Tuple[int, ...]:
@@ -90,14 +89,26 @@ class Target:
         L = self.num_layers
         return tuple(sorted({2, L // 2, L - 3}))
 
+    @property
+    def plain_model(self):
+        """What plain decoding runs: mlx-lm's own model where its forward computes what the
+        config says, else the tree forward of this target (one token at a time)."""
+        return self.model if self.family.mlx_lm_exact(self.windows) else TargetLM(self)
+
     def make_cache(self) -> list:
-        return [m.make_cache() for m in self.mechanisms]
+        """One cache per layer that keeps one (KV-shared layers read another's)."""
+        return [m.make_cache() for m in self.mechanisms if m.source is None]
 
     def accept(self, caches, start: int, rows: mx.array) -> None:
         """After a verify pass: every layer keeps the accepted tree rows `rows` (absolute
         positions, root first) at start.."""
         for m, c in zip(self.mechanisms, caches):
             m.accept(c, start, rows)
+
+    def reusable(self, caches, length: int) -> bool:
+        """Whether every layer can be cut back to its first `length` positions exactly (a
+        sliding-window layer has dropped what its window no longer sees)."""
+        return all(m.reusable(c, length) for m, c in zip(self.mechanisms, caches))
 
     def truncate(self, caches, length: int) -> None:
         """Every layer forgets what follows the first `length` positions."""
@@ -109,9 +120,7 @@ class Target:
         return [a for c in caches for a in c.arrays()]
 
     def lm_head(self, hidden: mx.array) -> mx.array:
-        if hasattr(self.model, "lm_head"):
-            return self.model.lm_head(hidden)
-        return self.embed_tokens.as_linear(hidden)
+        return self.family.logits(hidden)
 
     def __call__(
         self,
@@ -125,19 +134,27 @@ class Target:
 
         positions: [T] position ids (default: cache length + 0..T-1).
         mask: boolean [T, cache length + T], True where a token may attend
-              (default: causal). A tree passes its ancestor mask here.
+              (default: causal). A tree passes its ancestor mask here; each
+              sliding-window layer narrows it to its window.
         taps: decoder layers whose *input* hidden states to return (EAGLE-3).
         Returns the final hidden state after the last RMSNorm [B, T, H] and the
         tapped states in the order of `taps`; logits are `lm_head(hidden)`.
         """
-        h = self.embed_tokens(tokens)
-        cache = cache if cache is not None else [None] * self.num_layers
-        tapped = {}
-        for i, (mech, layer, c) in enumerate(zip(self.mechanisms, self.layers, cache)):
-            if i in taps:
-                tapped[i] = h
-            h = mech(self, layer, h, c, positions, mask)
-        return self.model.model.norm(h), [tapped[i] for i in taps]
+        caches = list(cache) if cache is not None else []
+        caches += [None] * (self.num_layers - len(caches))
+        fwd = Forward(tokens.shape[1], caches[0].offset if caches[0] is not None else 0,
+                      positions, mask)
+        family, tapped = self.family, {}
+        self._rope.positions = positions
+        try:
+            h = family.embed(self, tokens, fwd)
+            for i, (mech, layer, c) in enumerate(zip(self.mechanisms, self.layers, caches)):
+                if i in taps:
+                    tapped[i] = h
+                h = family.layer(self, i, layer, h, c, mech.mask(fwd, c), fwd)
+        finally:
+            self._rope.positions = None
+        return family.inner.norm(h), [tapped[i] for i in taps]
 
 
 def read_config(path: Path, what: str = "model") -> dict:
@@ -173,14 +190,136 @@ def _check_weight_files(path: Path) -> None:
                 )
 
 
-def _config_overrides(config: dict) -> dict:
+def _config_overrides(config: dict, path: Path) -> dict:
     """Config keys that transformers >= 5 writes under new names, translated back to the
     names mlx-lm reads (the Hub's own configs use the classic names)."""
+    kind = config.get("model_type")
+    if kind == "gemma3_text":
+        return _gemma3_overrides(config, path)
+    if kind == "gemma3" and isinstance(config.get("text_config"), dict):
+        text = dict(config["text_config"])
+        text.update(_gemma3_overrides(text, path))
+        return {"text_config": text}
+    if kind == "gemma4_text":
+        return _gemma4_overrides(config)
+    if kind == "gemma4" and isinstance(config.get("text_config"), dict):
+        return {"text_config": {**config["text_config"], **_gemma4_overrides(config["text_config"])}}
+    if kind in ("ministral3", "mistral3"):
+        return {}  # mlx-lm reads their rope_parameters itself
     overrides = _rope_overrides(config)
-    if config.get("model_type") == "qwen3_moe" and "num_experts" not in config \
-            and "num_local_experts" in config:
+    if kind == "qwen3_moe" and "num_experts" not in config and "num_local_experts" in config:
         overrides["num_experts"] = config["num_local_experts"]
     return overrides
+
+
+def _gemma3_overrides(text: dict, path: Path) -> dict:
+    """Gemma 3: per-layer-type RoPE settings and `layer_types` (transformers >= 5) as
+    mlx-lm's `rope_theta`, `rope_local_base_freq`, `rope_scaling` and
+    `sliding_window_pattern` (every p-th layer global: the only pattern mlx-lm builds)."""
+    out = {}
+    params = text.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params and "rope_theta" not in text:
+        full, local = params["full_attention"], params.get("sliding_attention") or {}
+        out["rope_theta"] = full.get("rope_theta", 1_000_000.0)
+        out["rope_local_base_freq"] = local.get("rope_theta", 10_000.0)
+        if full.get("rope_type", "default") != "default":
+            out["rope_scaling"] = full
+    types = text.get("layer_types")
+    if types and "sliding_window_pattern" not in text:
+        p = types.index("full_attention") + 1 if "full_attention" in types else 0
+        if not p or types != [("full_attention" if (i + 1) % p == 0 else "sliding_attention")
+                              for i in range(len(types))]:
+            raise EagleError(f"{path / 'config.json'}: Gemma 3 layer_types must repeat n-1 "
+                             "sliding layers and one full-attention layer (mlx-lm builds only "
+                             "that pattern).")
+        out["sliding_window_pattern"] = p
+    return out
+
+
+def _gemma4_overrides(text: dict) -> dict:
+    """Gemma 4: transformers >= 5 writes the full-attention layers' head size (and, with
+    `attention_k_eq_v`, their key/value heads) in `per_layer_config`; mlx-lm reads
+    `global_head_dim` and `num_global_key_value_heads`."""
+    per_layer = text.get("per_layer_config")
+    if not isinstance(per_layer, dict) or "global_head_dim" in text:
+        return {}
+    types = text.get("layer_types") or []
+    full = [per_layer.get(str(i)) or per_layer.get(i) or {}
+            for i, t in enumerate(types) if t == "full_attention"]
+    out = {}
+    if full and "head_dim" in full[0]:
+        out["global_head_dim"] = full[0]["head_dim"]
+    if full and "num_key_value_heads" in full[0]:
+        out["num_global_key_value_heads"] = full[0]["num_key_value_heads"]
+    return out
+
+
+def _model_classes(config: dict):
+    """mlx-lm's model class for a config, as its loader picks it; gpt-oss also reads the
+    float layout transformers saves (its experts' fused [E, H, 2I] `gate_up_proj`), which
+    mlx-lm's `sanitize` takes only in OpenAI's MXFP4 layout or already converted."""
+    from .mlxlm import model_module
+
+    module = model_module(config["model_type"])
+    if config["model_type"] != "gpt_oss":
+        return module.Model, module.ModelArgs
+
+    class Model(module.Model):
+        def sanitize(self, weights):
+            return super().sanitize(gpt_oss_float_experts(weights))
+
+    return Model, module.ModelArgs
+
+
+def gpt_oss_float_experts(weights: dict) -> dict:
+    """transformers' float gpt-oss experts (x @ gate_up_proj [E, H, 2I], gate and up
+    interleaved on the last axis; x @ down_proj [E, I, H]) as mlx-lm's SwitchGLU weights
+    ([E, out, in]); everything else as given."""
+    out = {}
+    for k, v in weights.items():
+        head, _, name = k.rpartition(".experts.")
+        if not head or v.ndim not in (2, 3) or not mx.issubdtype(v.dtype, mx.floating):
+            out[k] = v
+        elif name == "gate_up_proj" and v.ndim == 3:
+            out[f"{head}.experts.gate_proj.weight"] = mx.contiguous(v[..., ::2].swapaxes(1, 2))
+            out[f"{head}.experts.up_proj.weight"] = mx.contiguous(v[..., 1::2].swapaxes(1, 2))
+        elif name == "gate_up_proj_bias":
+            out[f"{head}.experts.gate_proj.bias"] = mx.contiguous(v[..., ::2])
+            out[f"{head}.experts.up_proj.bias"] = mx.contiguous(v[..., 1::2])
+        elif name == "down_proj" and v.ndim == 3:
+            out[f"{head}.experts.down_proj.weight"] = mx.contiguous(v.swapaxes(1, 2))
+        elif name == "down_proj_bias":
+            out[f"{head}.experts.down_proj.bias"] = v
+        else:
+            out[k] = v
+    return out
+
+
+def check_config(config: dict, path: Path) -> None:
+    """What the tree forward supports, refused in one sentence before any weight is read."""
+    where = path / "config.json"
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise EagleError(
+            f"model type '{model_type}' in {where} is not supported; "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    text = config.get("text_config") if model_type in ("gemma3", "gemma4", "mistral3") else None
+    if model_type == "mistral3":
+        inner = (text or {}).get("model_type")
+        if inner not in ("ministral3", "mistral", "llama"):
+            raise EagleError(f"{where}: the language model of this mistral3 checkpoint is "
+                             f"'{inner}'; supported: ministral3, mistral, llama.")
+    if model_type == "llama" and (config.get("use_sliding_window") or config.get("sliding_window")
+                                  or "sliding_attention" in (config.get("layer_types") or ())):
+        raise EagleError(f"{where} asks for sliding-window attention, which Llama models do not "
+                         "have (transformers ignores it); remove use_sliding_window / "
+                         "sliding_window / layer_types.")
+    quant = config.get("quantization") or {}
+    mode = quant.get("mode", "affine") if isinstance(quant, dict) else "affine"
+    if mode not in QUANTIZATION_MODES:
+        raise EagleError(f"{where}: unknown quantization mode '{mode}'; MLX reads "
+                         f"{', '.join(QUANTIZATION_MODES)}.")
 
 
 def _rope_overrides(config: dict) -> dict:
@@ -224,9 +363,10 @@ def convert_dtype(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
     quantized = [name for name, m in model.named_modules() if hasattr(m, "scales")]
     if quantized:
         params = dict(tree_flatten(model.parameters()))
-        model.update(tree_unflatten([
+        model.update(tree_unflatten([  # (MX/NV floating-point modes: integer scales, as stored)
             (k, v.astype(mx.float32)) for k, v in params.items()
-            if k.rsplit(".", 1)[0] in quantized and k.rsplit(".", 1)[-1] in ("scales", "biases")]))
+            if k.rsplit(".", 1)[0] in quantized and k.rsplit(".", 1)[-1] in ("scales", "biases")
+            and mx.issubdtype(v.dtype, mx.floating)]))
         model = mlxlm.dequantize_model(model)
     model.update(tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a,
                           model.parameters()))
@@ -273,21 +413,11 @@ def _load_mlx_lm(path: Path, lazy: bool):
     from .mlxlm import load_model, load_tokenizer
 
     config = read_config(path)
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise EagleError(
-            f"model type '{model_type}' in {path / 'config.json'} is not supported; "
-            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
-        )
-    if config.get("use_sliding_window"):
-        raise EagleError(
-            f"{path / 'config.json'} asks for sliding-window attention (use_sliding_window), "
-            "which the tree forward does not implement; set it to false to attend to the whole "
-            "context."
-        )
+    check_config(config, path)
     _check_weight_files(path)
     try:
-        model, config = load_model(path, lazy=lazy, model_config=_config_overrides(config))
+        model, config = load_model(path, lazy=lazy, model_config=_config_overrides(config, path),
+                                   get_model_classes=_model_classes)
     except Exception as e:  # mlx-lm raises ValueError/KeyError/RuntimeError on bad weights
         raise EagleError(f"could not load the weights in {path}: {reason(e)}") from None
     try:

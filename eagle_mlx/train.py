@@ -439,7 +439,7 @@ class Eagle3Trainer(Trainer):
         head.freeze(recurse=False, keys=["d2t"])  # the mapping, not a weight
         if self.args.lm_head_init == "target":
             head.lm_head.weight = lm_head_rows(self.target, self.draft_ids).astype(mx.float32)
-            head.norm.weight = self.target.model.model.norm.weight.astype(mx.float32)
+            head.norm.weight = self.target.family.inner.norm.weight.astype(mx.float32)
         return head
 
     def loss(self, head, feats, toks, target_p, keep, sel, T):

@@ -33,6 +33,25 @@ TINY_TARGETS = {
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, num_key_value_heads=2,
                                     rope_theta=1e6, mlp_only_layers=[1])),
 }
+# sliding windows of 8 positions, far shorter than the prompts and outputs of the tests
+PATTERN3 = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+WINDOWED_TARGETS = {
+    "qwen2_swa": ("qwen2", dict(num_hidden_layers=3, num_key_value_heads=2, rope_theta=1e6,
+                                use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen3_swa": ("qwen3", dict(num_hidden_layers=3, num_key_value_heads=2, rope_theta=1e6,
+                                use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "mistral_swa": ("mistral", dict(num_hidden_layers=2, num_key_value_heads=2, sliding_window=8)),
+    "gemma3_swa": ("gemma3_text", dict(num_hidden_layers=6, num_key_value_heads=2,
+                                       sliding_window=8, layer_types=PATTERN3)),
+    "gpt_oss_swa": ("gpt_oss", dict(num_hidden_layers=4, num_key_value_heads=2,
+                                    sliding_window=8)),
+    "ministral3_swa": ("ministral3", dict(num_hidden_layers=3, num_key_value_heads=2,
+                                          sliding_window=8)),
+    "gemma4_swa": ("gemma4_text", dict(num_hidden_layers=6, num_key_value_heads=2,
+                                       sliding_window=8, layer_types=PATTERN3,
+                                       num_kv_shared_layers=2, final_logit_softcapping=30.0)),
+}
+TINY_TARGETS.update(WINDOWED_TARGETS)
 
 
 @pytest.fixture(autouse=True, scope="session")

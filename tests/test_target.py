@@ -256,7 +256,7 @@ def test_auto_dtype_dequantizes_a_quantized_moe_to_float32_exactly(tiny_dir, tmp
     # mlx-lm quantizes and saves (its convert reads the config keys transformers 5 renamed
     # only through the translation the loader applies)
     src, qdir = tiny_dir(name), tmp_path / "q4"
-    model, config = load_model(src, model_config=_config_overrides(read_config(src)))
+    model, config = load_model(src, model_config=_config_overrides(read_config(src), src))
     model, config = quantize_model(model, config, group_size=32, bits=4)
     save_model(qdir, model)
     save_config(config, qdir / "config.json")
@@ -272,7 +272,7 @@ def test_auto_dtype_dequantizes_a_quantized_moe_to_float32_exactly(tiny_dir, tmp
     assert all(v.dtype == mx.float32 for _, v in tree_flatten(target.model.parameters())
                if mx.issubdtype(v.dtype, mx.floating))
     # mlx-lm, quantized as stored (the config keys transformers 5 renamed, translated back)
-    reference, _ = load_model(qdir, model_config=_config_overrides(read_config(qdir)))
+    reference, _ = load_model(qdir, model_config=_config_overrides(read_config(qdir), qdir))
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in reference.named_modules())
     tokens = mx.array([np.random.default_rng(1).integers(3, 200, 12).tolist()])
     want = np.array(reference(tokens).astype(mx.float32))

@@ -43,6 +43,21 @@ def save_tokenizer(folder: Path, vocab_size: int) -> None:
     fast.save_pretrained(folder)
 
 
+# kind -> (transformers config class, model class, config defaults): the families with
+# sliding windows, attention sinks and KV sharing
+OTHER_FAMILIES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    dict(head_dim=16, query_pre_attn_scalar=16)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(head_dim=16)),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM",
+                    dict(head_dim=16, global_head_dim=32, hidden_size_per_layer_input=8,
+                         vocab_size_per_layer_input=256)),
+}
+
+
 def make_hf_model(folder: Path, kind: str = "llama", seed: int = 0, scale: float = 8.0,
                   **overrides) -> Path:
     """Save a random transformers Llama/Mixtral (float32) with a tokenizer to `folder`.
@@ -85,6 +100,13 @@ def make_hf_model(folder: Path, kind: str = "llama", seed: int = 0, scale: float
         common.setdefault("moe_intermediate_size", 48)
         common.setdefault("norm_topk_prob", True)
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common))
+    elif kind in OTHER_FAMILIES:
+        import transformers
+
+        config_class, model_class, defaults = OTHER_FAMILIES[kind]
+        for k, v in defaults.items():
+            common.setdefault(k, v)
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**common))
     else:
         raise ValueError(kind)
     with torch.no_grad():

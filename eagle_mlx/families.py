@@ -1,0 +1,345 @@
+"""The target families: how each runs its decoder layers in a tree verify, on mlx-lm's own
+modules.
+
+A target forward (`target.Target.__call__`) embeds the tokens, then runs every decoder layer
+through its mechanism (`AttentionMechanism`: full attention, or a sliding window of the
+latest positions) and the family's layer call. Two kinds of family:
+
+* the standard decoders (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE): norm ->
+  attention -> norm -> MLP/MoE, their attention run here (`layers.attention`) with
+  per-token positions and the tree mask;
+* the others (Gemma 3, Gemma 4, gpt-oss, Ministral 3): mlx-lm's own decoder layer is
+  called as it is, with the layer's mask and cache; the one thing a tree changes inside
+  it, the rotary positions, comes through `PositionedRoPE`, which turns the positions of
+  the tree's nodes into the rotation mlx-lm's code asks for with an offset. So the scaled
+  embeddings, extra norms, query scaling, soft-capping and attention sinks are exactly
+  mlx-lm's.
+
+Windows follow the Hugging Face config of each family (what transformers computes); where
+mlx-lm's own forward does not implement them (Qwen2/Qwen3 `use_sliding_window`, Mistral's
+and Mixtral's `sliding_window`), plain decoding runs this forward too (`Target.plain_model`).
+"""
+
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import TreeKVCache, WindowKVCache
+from .errors import EagleError
+from .layers import apply_rope, attention
+
+
+class Forward:
+    """What one target forward shares across its layers: the tokens' positions, the mask
+    it was given, each kind of layer's mask (made once, by the first layer of that kind,
+    before its cache grows) and what KV-shared layers read."""
+
+    def __init__(self, T: int, n: int, positions: Optional[mx.array], mask):
+        self.T, self.n = T, n
+        self.positions = positions           # None: n .. n+T-1
+        self.mask = mask                     # None/"causal" or bool [T, n + T]
+        self.masks = {}                      # window (None: full) -> this forward's mask
+        self.kv = {}                         # layer -> (keys, values, offset) it computed
+        self.extra = None                    # the family's per-forward inputs
+
+    @property
+    def queries(self) -> mx.array:
+        if self.positions is not None:
+            return self.positions
+        return mx.arange(self.n, self.n + self.T)
+
+
+class AttentionMechanism:
+    """The layer mechanism of an attention layer: its cache, its mask in a forward, and
+    what its cache does after acceptance (keep the accepted rows) or when cut back.
+
+    window: None (full attention) or the sliding window W: a token at position p sees the
+    positions p-W+1..p. A tree node sees the cached positions within its own window and
+    those of its ancestors that are (`WindowKVCache.band` and the tree mask). source: for a
+    KV-shared layer, the layer whose keys and values it reads (it has no cache)."""
+
+    def __init__(self, window: Optional[int] = None, source: Optional[int] = None):
+        self.window, self.source = window, source
+
+    def make_cache(self):
+        if self.source is not None:
+            return None
+        return TreeKVCache() if self.window is None else WindowKVCache(self.window)
+
+    def mask(self, fwd: Forward, cache):
+        if self.window in fwd.masks:
+            return fwd.masks[self.window]
+        mask = fwd.mask
+        if mask is None and fwd.T > 1:
+            mask = "causal"
+        if self.window is not None:
+            if cache is None:  # no cache: the tokens alone, causal within the window
+                q = fwd.queries
+                band = (q[:, None] - q[None, :]) < self.window
+                mask = band if not isinstance(mask, mx.array) else mask & band
+                mask = mask & (q[None, :] <= q[:, None])
+            else:
+                base = cache.base_after(fwd.T)
+                band = cache.band(fwd.queries, fwd.T)
+                if isinstance(mask, mx.array):
+                    mask = mask[:, base:] & band
+                else:  # causal over the held positions and the new ones
+                    k = band.shape[1]
+                    mask = band & (mx.arange(k)[None, :] <= mx.arange(k - fwd.T, k)[:, None])
+        fwd.masks[self.window] = mask
+        return mask
+
+    def accept(self, cache, start: int, rows: mx.array) -> None:
+        cache.keep(start, rows)
+
+    def reusable(self, cache, length: int) -> bool:
+        return cache.reusable(length)
+
+    def truncate(self, cache, length: int) -> None:
+        cache.truncate(length)
+
+
+class PositionedRoPE(nn.Module):
+    """mlx-lm's rotary embedding of one attention module, at the positions of a tree's
+    nodes while a tree forward runs (`context.positions`), otherwise exactly the module it
+    wraps (mlx-lm's offset)."""
+
+    def __init__(self, rope: nn.Module, context):
+        super().__init__()
+        self.rope = rope
+        self._context = context
+
+    def __call__(self, x, offset=0):
+        positions = self._context.positions
+        if positions is None:
+            return self.rope(x, offset=offset)
+        return apply_rope(self.rope, x, 0, positions)
+
+
+class RopeContext:
+    positions: Optional[mx.array] = None
+
+
+class Family:
+    """The standard decoders (see the module's docstring)."""
+
+    layer_calls = False  # True: mlx-lm's own layer is called (positions via PositionedRoPE)
+
+    def __init__(self, model: nn.Module, config: dict):
+        self.lm = getattr(model, "language_model", model)  # multimodal: its language model
+        self.config = config
+
+    @property
+    def inner(self) -> nn.Module:
+        return self.lm.model
+
+    def text_config(self) -> dict:
+        return self.config.get("text_config") or self.config
+
+    def windows(self) -> List[Optional[int]]:
+        """Each layer's window (None: full attention), as transformers computes it."""
+        c, L = self.config, len(self.inner.layers)
+        kind = c.get("model_type")
+        if kind in ("mistral", "mixtral"):
+            return [c.get("sliding_window")] * L
+        if kind in ("qwen2", "qwen3", "qwen3_moe"):
+            if not c.get("use_sliding_window"):
+                return [None] * L
+            types = c.get("layer_types")
+            if kind == "qwen3_moe" or not types:  # transformers: every layer (MoE), or from
+                first = 0 if kind == "qwen3_moe" else c.get("max_window_layers", L)  # the
+                types = ["sliding_attention" if i >= first else "full_attention"  # first
+                         for i in range(L)]                                       # window layer
+            return [c.get("sliding_window") if t == "sliding_attention" else None for t in types]
+        if c.get("use_sliding_window") or "sliding_attention" in (c.get("layer_types") or ()):
+            raise EagleError(f"{kind} models have no sliding-window attention, but the config "
+                             "asks for it (use_sliding_window / layer_types).")
+        return [None] * L
+
+    def mlx_lm_exact(self, windows) -> bool:
+        """Whether mlx-lm's own forward computes what the config says (plain decoding
+        runs it then)."""
+        return all(w is None for w in windows)
+
+    def sources(self) -> List[Optional[int]]:
+        return [None] * len(self.inner.layers)
+
+    def embed(self, target, tokens: mx.array, fwd: Forward) -> mx.array:
+        return self.inner.embed_tokens(tokens)
+
+    def layer(self, target, i, layer, h, cache, mask, fwd: Forward) -> mx.array:
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        r = attention(
+            attn, attn.q_proj(x), attn.k_proj(x), attn.v_proj(x),
+            target.n_heads, target.n_kv_heads, cache, fwd.positions, mask,
+        )
+        h = h + attn.o_proj(r)
+        ffn = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
+        return h + ffn(layer.post_attention_layernorm(h))
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if hasattr(self.lm, "lm_head"):
+            return self.lm.lm_head(hidden)
+        return self.inner.embed_tokens.as_linear(hidden)
+
+
+def _layer_type_windows(types, window) -> List[Optional[int]]:
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+class LayerCallFamily(Family):
+    """mlx-lm's own decoder layer, called with its mask and cache (gpt-oss; the base of
+    the others)."""
+
+    layer_calls = True
+
+    def windows(self):
+        types = getattr(self.inner, "layer_types", None) or self.config.get("layer_types")
+        return _layer_type_windows(types, self.text_config().get("sliding_window"))
+
+    def mlx_lm_exact(self, windows) -> bool:
+        return True
+
+    def layer(self, target, i, layer, h, cache, mask, fwd):
+        return layer(h, mask, cache)
+
+
+class Gemma3Family(LayerCallFamily):
+    def windows(self):
+        # mlx-lm's rule: every `sliding_window_pattern`-th layer is global
+        p = self.inner.sliding_window_pattern
+        return [None if (i + 1) % p == 0 else self.inner.window_size
+                for i in range(len(self.inner.layers))]
+
+    def embed(self, target, tokens, fwd):
+        h = self.inner.embed_tokens(tokens)
+        # as mlx-lm's Gemma3Model: the scale rounded to bfloat16
+        return h * mx.array(self.inner.args.hidden_size ** 0.5, mx.bfloat16).astype(h.dtype)
+
+
+class Ministral3Family(LayerCallFamily):
+    def windows(self):
+        # transformers applies `sliding_window` to every layer, mlx-lm to the sliding
+        # `layer_types`: the two agree only where the config says the same in both ways
+        c = self.text_config()
+        return [c.get("sliding_window")] * len(self.inner.layers)
+
+    def mlx_lm_exact(self, windows) -> bool:
+        return windows == _layer_type_windows(self.inner.layer_types, self.inner.sliding_window)
+
+    def embed(self, target, tokens, fwd):
+        from .mlxlm import model_module
+
+        args = self.inner.args.rope_parameters
+        scale = model_module("ministral3")._get_llama_4_attn_scale
+        beta, length = args["llama_4_scaling_beta"], args["original_max_position_embeddings"]
+        if fwd.positions is None:
+            fwd.extra = scale(fwd.T, fwd.n, beta, length)
+        else:  # one scale per node: as for T batch rows at their own positions
+            fwd.extra = scale(1, fwd.positions, beta, length).reshape(fwd.T, 1)
+        h = self.inner.embed_tokens(tokens)
+        fwd.extra = fwd.extra.astype(h.dtype)
+        return h
+
+    def layer(self, target, i, layer, h, cache, mask, fwd):
+        return layer(h, fwd.extra, mask, cache=cache)
+
+
+class Gemma4Family(LayerCallFamily):
+    def sources(self):
+        prev = self.inner.previous_kvs
+        return [None if j == i else j for i, j in enumerate(prev)]
+
+    def embed(self, target, tokens, fwd):
+        inner = self.inner
+        h = inner.embed_tokens(tokens) * inner.embed_scale
+        if inner.hidden_size_per_layer_input:
+            per_layer = inner._get_per_layer_inputs(tokens)
+            per_layer = inner._project_per_layer_inputs(h, per_layer)
+            fwd.extra = [per_layer[:, :, i, :] for i in range(len(inner.layers))]
+        return h
+
+    def layer(self, target, i, layer, h, cache, mask, fwd):
+        src = self.inner.previous_kvs[i]
+        kvs, offset = fwd.kv.get(src, (None, None))
+        h, kvs, offset = layer(h, mask, cache, per_layer_input=fwd.extra[i] if fwd.extra else None,
+                               shared_kv=kvs, offset=offset)
+        fwd.kv[i] = (kvs, offset)
+        return h
+
+    def logits(self, hidden):
+        out = super().logits(hidden)
+        cap = self.lm.final_logit_softcapping
+        return out if cap is None else mx.tanh(out / cap) * cap
+
+
+FAMILIES = {
+    "llama": Family, "mistral": Family, "mixtral": Family, "qwen2": Family, "qwen3": Family,
+    "qwen3_moe": Family, "gpt_oss": LayerCallFamily, "gemma3_text": Gemma3Family,
+    "gemma3": Gemma3Family, "gemma4_text": Gemma4Family, "gemma4": Gemma4Family,
+    "ministral3": Ministral3Family, "mistral3": Ministral3Family,
+}
+
+
+def family_of(model: nn.Module, config: dict) -> Family:
+    kind = config["model_type"]
+    if kind == "mistral3":  # its language model: Ministral 3, or a Llama-shaped Mistral
+        kind = (config.get("text_config") or {}).get("model_type", "llama")
+        return (Ministral3Family if kind == "ministral3" else MistralFamily)(model, config)
+    return FAMILIES[kind](model, config)
+
+
+class MistralFamily(Family):
+    """The Llama-shaped language model of a mistral3 checkpoint: Mistral's window rule."""
+
+    def windows(self):
+        return [self.text_config().get("sliding_window")] * len(self.inner.layers)
+
+
+def untruncated_yarn(family: Family) -> None:
+    """YaRN as transformers computes it when the config says `truncate: false` (gpt-oss):
+    the correction range between the two rotation counts is not rounded to whole
+    dimensions. mlx-lm's YarnRoPE always rounds it (its frequencies then differ from the
+    model's); the frequencies of each YarnRoPE are recomputed here, before anything runs,
+    so that mlx-lm's own forward and the tree forward both use the model's."""
+    import math
+
+    text = family.text_config()
+    params = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    if params.get("rope_type", params.get("type")) != "yarn" or params.get("truncate", True):
+        return
+    from .mlxlm import YarnRoPE
+
+    base = params.get("rope_theta", text.get("rope_theta", 10000.0))
+    factor, length = params["factor"], params.get("original_max_position_embeddings", 4096)
+    for layer in family.inner.layers:
+        rope = layer.self_attn.rope
+        rope = getattr(rope, "rope", rope)
+        if not isinstance(rope, YarnRoPE):
+            continue
+        dims = rope.dims
+
+        def dim_of(rotations):
+            return dims * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(dim_of(params.get("beta_fast", 32)), 0)
+        high = min(dim_of(params.get("beta_slow", 1)), dims - 1)
+        high = high + 0.001 if low == high else high
+        ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+        extra = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        inter = factor * extra
+        keep = 1.0 - ramp
+        rope._freqs = (inter * extra) / (inter * keep + extra * (1 - keep))
+
+
+def install_positions(family: Family, context: RopeContext) -> None:
+    """Route the rotary embedding of every attention module of a layer-call family
+    through `PositionedRoPE` (mlx-lm's module stays inside it, unchanged)."""
+    if not family.layer_calls:
+        return
+    for layer in family.inner.layers:
+        attn = layer.self_attn
+        if not isinstance(attn.rope, PositionedRoPE):
+            attn.rope = PositionedRoPE(attn.rope, context)

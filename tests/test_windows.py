@@ -1,0 +1,277 @@
+"""Sliding-window, attention-sink and KV-sharing targets (Qwen2/Qwen3 `use_sliding_window`,
+Mistral, Gemma 3, Gemma 4, gpt-oss, Ministral 3) against transformers, with windows of 8
+positions: far shorter than the prompts (40 tokens) and the outputs (64 tokens)."""
+
+import itertools
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import eagle_mlx
+from conftest import WINDOWED_TARGETS
+from eagle_mlx import EagleError, load_target
+from eagle_mlx.speculative import PromptCache, SamplingParams, eagle_steps
+from test_target import random_tree
+from tiny import make_eagle_head, make_hf_model
+
+NAMES = list(WINDOWED_TARGETS)
+
+
+def hf_model(folder):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def hf_greedy(model, ids, n):
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_hidden_states_and_windows_match_transformers(tiny_dir, name):
+    import torch
+
+    folder = tiny_dir(name)
+    target, _ = load_target(str(folder))
+    assert any(w is not None for w in target.windows), target.windows
+    ids = np.random.default_rng(0).integers(3, target.vocab_size, 40).tolist()
+    model = hf_model(folder)
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    taps = tuple(range(target.num_layers))
+    h, tapped = target(mx.array([ids]), taps=taps)
+    np.testing.assert_allclose(np.array(target.lm_head(h)[0]), out.logits[0].numpy(), atol=1e-4,
+                               rtol=0)
+    np.testing.assert_allclose(np.array(h[0]), out.hidden_states[-1][0].numpy(), atol=1e-4, rtol=0)
+    for k, t in zip(taps, tapped):
+        np.testing.assert_allclose(np.array(t[0]), out.hidden_states[k][0].numpy(), atol=1e-4,
+                                   rtol=0)
+    # the same through the caches: a prompt in uneven chunks, then one token at a time,
+    # past the window many times over (each window cache drops old positions as it goes)
+    cache = target.make_cache()
+    logits = []
+    for a, b in [(0, 5), (5, 22), (22, 23), (23, 40)]:
+        h, _ = target(mx.array([ids[a:b]]), cache)
+        logits.append(np.array(target.lm_head(h)[0]))
+    np.testing.assert_allclose(np.concatenate(logits), out.logits[0].numpy(), atol=1e-4, rtol=0)
+    if any(w is not None for w in target.windows):
+        assert max(c.base for c in cache) > 0  # positions were dropped
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tree_forward_equals_path_by_path_and_kept_rows_decode_alone(tiny_dir, name):
+    """Every tree node's logits equal transformers' forward over prompt + its path, the
+    cache after keeping one path decodes as if only that path had been fed (greedy, 12
+    tokens, against transformers' greedy continuation)."""
+    folder = tiny_dir(name)
+    target, _ = load_target(str(folder))
+    model = hf_model(folder)
+    rng = np.random.default_rng(1)
+    for trial in range(2):
+        prompt = rng.integers(3, target.vocab_size, 30 + 7 * trial).tolist()
+        parents, anc = random_tree(rng, 14)
+        tokens = rng.integers(3, target.vocab_size, len(parents)).tolist()
+        cache = target.make_cache()
+        target(mx.array([prompt[:20]]), cache)
+        target(mx.array([prompt[20:]]), cache)
+        n = len(prompt)
+        positions = mx.array(n + anc.sum(1) - 1)
+        mask = mx.array(np.concatenate([np.ones((len(tokens), n), bool), anc], axis=1))
+        h, _ = target(mx.array([tokens]), cache, positions=positions, mask=mask)
+        logits = np.array(target.lm_head(h)[0])
+        for i in range(len(tokens)):
+            path = [tokens[j] for j in np.nonzero(anc[i])[0]]
+            ref = hf_logits(model, prompt + path)[-1]
+            np.testing.assert_allclose(logits[i], ref, atol=1e-4, rtol=0)
+        leaf = int(np.argmax(anc.sum(1)))  # the deepest node
+        kept = np.nonzero(anc[leaf])[0]
+        target.accept(cache, n, mx.array(n + kept))
+        seq = prompt + [tokens[j] for j in kept]
+        expected = hf_greedy(model, seq, 12)
+        tok, out = int(np.argmax(logits[leaf])), []
+        for _ in range(12):
+            out.append(tok)
+            h, _ = target(mx.array([[tok]]), cache)
+            tok = int(np.argmax(np.array(target.lm_head(h)[0, -1])))
+        assert out == expected, (name, trial)
+
+
+@pytest.fixture(scope="module")
+def windowed_pairs(tmp_path_factory):
+    """Random heads for the windowed targets: EAGLE-1 for each; EAGLE-3 for a Gemma 3 and
+    a gpt-oss of seven layers (three distinct tap layers)."""
+    root = tmp_path_factory.mktemp("windowed")
+    pairs = {}
+    for name, (kind, overrides) in WINDOWED_TARGETS.items():
+        t = make_hf_model(root / name, kind, seed=11, vocab_size=64, scale=4.0, **overrides)
+        pairs[name + "-eagle1"] = (t, make_eagle_head(root / (name + "-h1"), t, "eagle1", seed=3))
+    for name in ("gemma3_swa", "gpt_oss_swa"):
+        kind, overrides = WINDOWED_TARGETS[name]
+        overrides = dict(overrides, num_hidden_layers=7)
+        if name == "gemma3_swa":
+            overrides["layer_types"] = (["sliding_attention"] * 2 + ["full_attention"]) * 2 + \
+                ["sliding_attention"]
+        t = make_hf_model(root / (name + "7"), kind, seed=12, vocab_size=64, scale=4.0, **overrides)
+        pairs[name + "-eagle3"] = (t, make_eagle_head(root / (name + "-h3"), t, "eagle3", seed=4,
+                                                      draft_vocab_size=40))
+    return pairs
+
+
+TREES = [dict(total_tokens=8, depth=2, draft_top_k=2), dict(total_tokens=30, depth=6, draft_top_k=4),
+         dict(total_tokens=2, depth=1, draft_top_k=1)]
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("pair", [n + "-eagle1" for n in NAMES] + ["gemma3_swa-eagle3",
+                                                                   "gpt_oss_swa-eagle3"])
+def test_greedy_eagle_equals_transformers_greedy(windowed_pairs, pair):
+    target_dir, head_dir = windowed_pairs[pair]
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
+    tok.eos_token_ids = set()
+    reference = hf_model(target_dir)
+    rng = np.random.default_rng(7)
+    for tree in TREES:
+        prompt = rng.integers(3, 64, int(rng.integers(20, 41))).tolist()
+        expected = hf_greedy(reference, prompt, 40)
+        plain = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40,
+                                                      speculate=False) for t in r.tokens]
+        assert plain == expected, (pair, "plain")
+        out = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40, **tree)
+               for t in r.tokens]
+        assert out == expected, (pair, tree)
+
+
+@pytest.mark.parametrize("speculate", [True, False], ids=["eagle", "plain"])
+def test_prompt_cache_second_turn_starts_past_the_window(windowed_pairs, speculate):
+    """A second turn reuses the first turn's caches (prompt + answer, past the window) and
+    continues exactly as transformers on the whole conversation; a prompt that differs
+    before what the window still holds starts over, and is exact too."""
+    target_dir, head_dir = windowed_pairs["gemma3_swa-eagle1"]
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
+    tok.eos_token_ids = set()
+    reference = hf_model(target_dir)
+    rng = np.random.default_rng(3)
+    first = rng.integers(3, 64, 30).tolist()
+    pc = PromptCache()
+    answer = [t for r in eagle_mlx.stream_generate(model, tok, first, max_tokens=20,
+                                                   prompt_cache=pc, speculate=speculate)
+              for t in r.tokens]
+    assert answer == hf_greedy(reference, first, 20)
+    second = first + answer + rng.integers(3, 64, 6).tolist()
+    out = [t for r in eagle_mlx.stream_generate(model, tok, second, max_tokens=20,
+                                                prompt_cache=pc, speculate=speculate)
+           for t in r.tokens]
+    assert pc.reused >= len(first) + len(answer) - 1 > 8
+    assert out == hf_greedy(reference, second, 20)
+    edited = second[:10] + [3] + second[11:]  # differs where the window no longer reaches
+    out = [t for r in eagle_mlx.stream_generate(model, tok, edited, max_tokens=20,
+                                                prompt_cache=pc, speculate=speculate)
+           for t in r.tokens]
+    assert pc.reused == 0
+    assert out == hf_greedy(reference, edited, 20)
+
+
+@pytest.mark.long
+def test_sampling_with_a_window_and_sinks_is_lossless(tmp_path):
+    """gpt-oss (attention sinks, a window of 2 on every other layer): the first three sampled
+    tokens after a 4-token prompt have the distribution transformers' logits give,
+    enumerated exactly."""
+    from scipy.stats import chi2
+
+    from eagle_mlx.accept import process_logits
+
+    target_dir = make_hf_model(tmp_path / "t", "gpt_oss", seed=3, vocab_size=8, hidden_size=32,
+                               intermediate_size=64, num_hidden_layers=2, scale=1.0,
+                               num_key_value_heads=2, sliding_window=2)
+    head_dir = make_eagle_head(tmp_path / "h", target_dir, "eagle1", seed=4)
+    model, _ = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
+    sampling = SamplingParams(temp=0.7, top_k=5, top_p=0.9)
+    prompt, n_tokens, runs = [1, 4, 6, 2], 3, 1500
+    counts = {}
+    for seed in range(runs):
+        mx.random.seed(seed)
+        out = []
+        for step in eagle_steps(model.target, model.head, prompt, sampling, total_tokens=10,
+                                depth=3, draft_top_k=3):
+            out += step.tokens
+            if len(out) >= n_tokens:
+                break
+        counts[tuple(out[:n_tokens])] = counts.get(tuple(out[:n_tokens]), 0) + 1
+    reference = hf_model(target_dir)
+    dist = {}
+    for s in itertools.product(range(8), repeat=n_tokens - 1):
+        logits = mx.array(hf_logits(reference, prompt + list(s))[len(prompt) - 1:])
+        logp = np.array(process_logits(logits, sampling.temp, sampling.top_p, sampling.top_k))
+        lp = sum(logp[j, s[j]] for j in range(n_tokens - 1))
+        for last in range(8):
+            dist[s + (last,)] = float(np.exp(lp + logp[n_tokens - 1, last]))
+    cells, other_obs, other_exp = [], 0, 0.0
+    for key, p in dist.items():
+        if p * runs >= 5:
+            cells.append((counts.get(key, 0), p * runs))
+        else:
+            other_obs, other_exp = other_obs + counts.get(key, 0), other_exp + p * runs
+    cells.append((other_obs, other_exp))
+    stat = sum((o - e) ** 2 / e for o, e in cells if e > 0)
+    assert chi2.sf(stat, len(cells) - 1) > 1e-3, stat
+
+
+def test_kv_shared_layers_have_no_cache_and_read_their_source(tiny_dir):
+    target, _ = load_target(str(tiny_dir("gemma4_swa")))
+    sources = [m.source for m in target.mechanisms]
+    assert sources[-2:] != [None, None] and all(s is None for s in sources[:-2])
+    assert len(target.make_cache()) == target.num_layers - 2
+    # each shared layer reads the last unshared layer of its own kind
+    for i, s in enumerate(sources):
+        if s is not None:
+            assert target.windows[s] == target.windows[i] and s < target.num_layers - 2
+
+
+def _write_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(model_type="gemma2"), "model type 'gemma2'"),
+    (dict(use_sliding_window=True, sliding_window=8), "Llama models do not have"),
+    (dict(quantization={"group_size": 32, "bits": 4, "mode": "int3x"}),
+     "unknown quantization mode 'int3x'"),
+])
+def test_bad_configs_are_refused_in_one_sentence(tiny_dir, tmp_path, changes, words):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_dir("llama2_mha"), folder)
+    _write_config(folder, **changes)
+    with pytest.raises(EagleError) as e:
+        load_target(str(folder))
+    assert words in str(e.value) and str(folder / "config.json") in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_gemma3_pattern_mlx_lm_cannot_build_is_refused(tiny_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "g"
+    shutil.copytree(tiny_dir("gemma3_swa"), folder)
+    _write_config(folder, layer_types=["full_attention"] + ["sliding_attention"] * 5)
+    with pytest.raises(EagleError, match="Gemma 3 layer_types must repeat"):
+        load_target(str(folder))
