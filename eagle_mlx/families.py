@@ -213,10 +213,17 @@ class Gemma3Family(LayerCallFamily):
         return [None if (i + 1) % p == 0 else self.inner.window_size
                 for i in range(len(self.inner.layers))]
 
+    def mlx_lm_exact(self, windows) -> bool:
+        # the embedding scale (below) differs from mlx-lm's unless sqrt(hidden) is a
+        # bfloat16 number; plain decoding then runs this forward
+        scale = self.inner.args.hidden_size ** 0.5
+        return float(mx.array(scale, mx.bfloat16)) == scale
+
     def embed(self, target, tokens, fwd):
         h = self.inner.embed_tokens(tokens)
-        # as mlx-lm's Gemma3Model: the scale rounded to bfloat16
-        return h * mx.array(self.inner.args.hidden_size ** 0.5, mx.bfloat16).astype(h.dtype)
+        # as transformers (and Google's reference): sqrt(hidden) in the embedding's dtype;
+        # mlx-lm rounds it to bfloat16 whatever the dtype (25.25 for 25.298 at 640)
+        return h * mx.array(self.inner.args.hidden_size ** 0.5, h.dtype)
 
 
 class Ministral3Family(LayerCallFamily):

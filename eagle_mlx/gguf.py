@@ -2,14 +2,16 @@
 
 The header is read and checked first (a truncated file or an unsupported tensor type is
 refused in one sentence naming the tensor); then each tensor is read from a memory map:
-Q4_0, Q4_1 and Q8_0 repacked exactly as MLX affine quantized triples (weight, scales,
-biases; group size 32), each tensor with its own bits; F32, F16 and BF16 as they are;
-the K-quants of llama.cpp's usual Q4_K_M / Q5_K_M mixes dequantized to float16.
-llama.cpp's tensor names are mapped to mlx-lm's, the Q/K row permutation its converter
-applies to llama files is undone (a row permutation, exact on quantized triples); qwen2
-and qwen3 files need none (q/k/v biases and q/k norms map by name). The model config
-comes from the metadata, and the tokenizer is rebuilt from the vocabulary in the
-metadata and wrapped as mlx-lm's, so an mlx-lm model and tokenizer come out.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants with groups of 32 (Q4_K, Q5_K) repacked
+exactly as MLX affine quantized triples (weight, scales, biases; group size 32), each
+tensor with its own bits; F32, F16 and BF16 as they are; the K-quants with groups of 16
+(Q2_K, Q3_K, Q6_K) as 8-bit triples quantized from their values, or those values in
+float32 for a target that runs in floats. llama.cpp's tensor names are mapped to
+mlx-lm's, the Q/K row permutation its converter applies to llama files is undone (a row
+permutation, exact on quantized triples); qwen2, qwen3 and gemma3 files need none (Gemma's
+norm weights, stored as 1 + w, come back as w). The model config comes from the
+metadata, and the tokenizer is rebuilt from the vocabulary in the metadata and wrapped as
+mlx-lm's, so an mlx-lm model and tokenizer come out.
 """
 
 import re
@@ -37,14 +39,17 @@ GGML_TYPES = {
     30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
     39: ("MXFP4", 32, 17),
 }
-QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")  # kept quantized: MLX affine, group size 32
+# kept quantized, exactly: MLX affine with groups of 32 (Q4_K / Q5_K with float32 scales)
+QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
 FLOAT = ("F32", "F16", "BF16")
-# K-quants (llama.cpp's usual Q4_K_M / Q5_K_M mixes) come back dequantized to float16
-DEQUANTIZED = ("Q2_K", "Q4_K", "Q5_K", "Q6_K")
-SUPPORTED_TYPES = FLOAT + QUANTIZED + DEQUANTIZED
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# K-quants with groups of 16 (no MLX layout holds them exactly): 8-bit affine, groups of 32,
+# quantized from their float32 values (error: at most half a step, 1/510 of a group's range;
+# `_requantize8`)
+REQUANTIZED = ("Q2_K", "Q3_K", "Q6_K")
+SUPPORTED_TYPES = FLOAT + QUANTIZED + REQUANTIZED
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM"}
+                     "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
@@ -208,6 +213,8 @@ def model_config(meta: dict, infos: List[TensorInfo], path: Path) -> dict:
         "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": "blk.0.ffn_up.bias" in names,
     }
+    if arch == "gemma3":
+        config.update(_gemma3_config(config, get, path))
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
@@ -215,6 +222,20 @@ def model_config(meta: dict, infos: List[TensorInfo], path: Path) -> dict:
                              "linear, and llama3-style frequency factors (rope_freqs).")
         config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
     return config
+
+
+def _gemma3_config(config: dict, get, path: Path) -> dict:
+    """Gemma 3 as llama.cpp reads it: every sixth layer global, the local layers' RoPE base
+    10,000, queries scaled by 1/sqrt(head size) (1/sqrt(hidden/heads) for the 27B model)."""
+    hidden, heads, layers = config["hidden_size"], config["num_attention_heads"], \
+        config["num_hidden_layers"]
+    window = get("attention.sliding_window", required=True)
+    big = layers == 62 and hidden == 5376  # llama.cpp's LLM_TYPE_27B
+    return {"model_type": "gemma3_text", "sliding_window": int(window),
+            "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
+            "query_pre_attn_scalar": hidden // heads if big else config["head_dim"],
+            "final_logit_softcapping": get("final_logit_softcapping"),
+            "attention_bias": False, "mlp_bias": False}
 
 
 # ---------------------------------------------------------------------------- weights
@@ -230,7 +251,13 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _PART = re.compile(r"^(.*)\.(weight|bias|scales|biases)$")
 
 
-def mlx_name(name: str) -> Optional[str]:
+# Gemma 3's four norms a layer (its "ffn_norm" is the pre-feedforward one)
+_GEMMA3_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                 "post_attention_norm": "post_attention_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+def mlx_name(name: str, arch: str = "llama") -> Optional[str]:
     """mlx-lm's name for a llama.cpp tensor name (None: not a model parameter)."""
     m = _PART.match(name)
     if not m:
@@ -238,9 +265,10 @@ def mlx_name(name: str) -> Optional[str]:
     base, part = m.groups()
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{part}"
+    names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
     m = re.match(r"^blk\.(\d+)\.(\w+)$", base)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{part}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{part}"
     return None
 
 
@@ -259,17 +287,44 @@ def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
 
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """MLX's packing: 32 // bits values per uint32, the first in the lowest bits."""
+    """MLX's packing: each row's values as one little-endian stream of `bits`-bit fields
+    (the first value in the lowest bits), read as uint32 words."""
     q = q.astype(np.uint8)
     if bits == 4:
         q = q[..., 0::2] | (q[..., 1::2] << 4)
+    elif bits != 8:
+        flat = q.reshape(-1, q.shape[-1])
+        out = np.empty((flat.shape[0], flat.shape[1] * bits // 8), np.uint8)
+        for a in range(0, flat.shape[0], 1024):  # in slices: the bit planes take 8x the bytes
+            planes = np.unpackbits(flat[a: a + 1024, :, None], axis=-1, bitorder="little")
+            out[a: a + 1024] = np.packbits(planes[..., :bits].reshape(len(planes), -1), axis=-1,
+                                           bitorder="little")
+        q = out.reshape(*q.shape[:-1], -1)
     return np.ascontiguousarray(q).view(np.uint32)
 
 
 def _quantized(data: np.ndarray, t: TensorInfo):
-    """Q4_0 / Q4_1 / Q8_0 as MLX affine triples (group size 32), exactly:
-    Q8_0 d*q (q int8) = d*(q+128) - 128d; Q4_0 d*(q-8) = d*q - 8d; Q4_1 d*q + m."""
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K as MLX affine triples (group size
+    32), exactly: Q8_0 d*q (q int8) = d*(q+128) - 128d; Q4_0 d*(q-8) = d*q - 8d; Q4_1
+    d*q + m; Q5_0 d*(q-16) = d*q - 16d; Q5_1 d*q + m; Q4_K / Q5_K (d*sc)*q - dmin*m per
+    group of 32, with the products in float32 (as ggml computes them)."""
     rows = t.shape[:-1]
+    if t.type_name in ("Q4_K", "Q5_K"):
+        q, scales, biases = _k_groups(data, t)
+        bits = 4 if t.type_name == "Q4_K" else 5
+        scales, biases = scales.reshape(*rows, -1), biases.reshape(*rows, -1)
+        return (mx.array(_pack(q.reshape(*rows, -1), bits)), mx.array(scales), mx.array(biases))
+    if t.type_name in ("Q5_0", "Q5_1"):
+        size = 22 if t.type_name == "Q5_0" else 24
+        b = _blocks(data, t, size)
+        d = _f16(b, 0)
+        qh = b[:, size - 20: size - 16].copy().view(np.uint32)  # [n, 1]
+        qs = b[:, size - 16:]
+        high = (qh >> np.arange(32, dtype=np.uint32)) & 1       # the fifth bit of value j
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=1) | (high.astype(np.uint8) << 4)
+        biases = d * np.float16(-16) if t.type_name == "Q5_0" else _f16(b, 2)
+        w = _pack(q.reshape(*rows, -1), 5)
+        return (mx.array(w), mx.array(d.reshape(*rows, -1)), mx.array(biases.reshape(*rows, -1)))
     if t.type_name == "Q8_0":
         b = _blocks(data, t, 34)
         d = _f16(b, 0)
@@ -316,52 +371,95 @@ def _k_quant(data: np.ndarray, t: TensorInfo) -> np.ndarray:
         minimum = dmin * (sc >> 4).astype(np.float32)
         return (scale.reshape(-1, 2, 8, 1) * q.reshape(-1, 2, 8, 16)
                 - minimum.reshape(-1, 2, 8, 1)).reshape(t.shape)
-    # Q4_K / Q5_K: d dmin scales[12] (qh[32]) qs[128]: 8 groups of 32 values
+    if t.type_name == "Q3_K":  # hmask[32] qs[64] scales[12] d: 16 groups of 16, 3 bits
+        b = _blocks(data, t, 110)
+        d = _f16(b, 108).astype(np.float32)
+        hmask, qs, packed = b[:, :32], b[:, 32:96].reshape(-1, 2, 32), b[:, 96:108]
+        low = np.concatenate([(qs >> s) & 3 for s in (0, 2, 4, 6)], axis=2).reshape(-1, 256)
+        high = np.concatenate([(hmask >> j) & 1 for j in range(8)], axis=1)  # value 32j+l
+        q = low.astype(np.float32) - 4 * (1 - high.astype(np.float32))
+        a, c = packed[:, 0:4], packed[:, 4:8]
+        hi = packed[:, 8:12]
+        sc = np.concatenate([(a & 0xF) | ((hi & 3) << 4), (c & 0xF) | (((hi >> 2) & 3) << 4),
+                             (a >> 4) | (((hi >> 4) & 3) << 4), (c >> 4) | (((hi >> 6) & 3) << 4)],
+                            axis=1).astype(np.float32) - 32
+        return (d[:, :, None] * sc[:, :, None] * q.reshape(-1, 16, 16)).reshape(t.shape)
+    q, scales, biases = _k_groups(data, t)
+    return (scales[:, :, None] * q.astype(np.float32) + biases[:, :, None]).reshape(t.shape)
+
+
+def _k_groups(data: np.ndarray, t: TensorInfo):
+    """Q4_K / Q5_K super-blocks (d dmin scales[12] (qh[32]) qs[128]) as 8 groups of 32:
+    quantized values [n, 8, 32] and each group's scale d*sc and bias -dmin*m (float32)."""
     size = 144 if t.type_name == "Q4_K" else 176
     b = _blocks(data, t, size)
     d, dmin = _f16(b, 0).astype(np.float32), _f16(b, 2).astype(np.float32)
     sc, mn = _k_scales(b[:, 4:16])
     qs = b[:, size - 128:].reshape(-1, 4, 32)  # 4 chunks of 64 values, two nibbles a byte
-    q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 8, 32).astype(np.float32)
+    q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 8, 32)
     if t.type_name == "Q5_K":  # bit j of qh[l]: the fifth bit of value l of group j
         bits = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
-        q += 16 * bits.astype(np.float32)
-    return ((d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]).reshape(t.shape)
+        q = q | (bits << 4)
+    return q, d * sc, -(dmin * mn)
 
 
-def read_tensor(data: np.ndarray, t: TensorInfo):
-    """One tensor: an mx.array, or an MLX affine (weight, scales, biases) triple."""
+def _requantize8(values: np.ndarray):
+    """8-bit affine triples (groups of 32, float32 scale and bias) of float32 values: each
+    value rounded to the nearest of 256 levels from its group's minimum to its maximum,
+    so within half a step ((max - min) / 510) of the value."""
+    groups = values.reshape(*values.shape[:-1], -1, 32)
+    low, high = groups.min(-1), groups.max(-1)
+    scale = (high - low) / 255
+    q = np.rint((groups - low[..., None]) / np.where(scale > 0, scale, 1)[..., None])
+    q = np.clip(q, 0, 255).reshape(values.shape)
+    return (mx.array(_pack(q, 8)), mx.array(scale.astype(np.float32)),
+            mx.array(low.astype(np.float32)))
+
+
+def read_tensor(data: np.ndarray, t: TensorInfo, requantize: bool = True):
+    """One tensor: an mx.array, or an MLX affine (weight, scales, biases) triple.
+    requantize: the K-quants no MLX layout holds exactly become 8-bit triples (False:
+    their exact float32 values, for a target that runs in floats anyway)."""
     if t.type_name in QUANTIZED:
         return _quantized(data, t)
-    if t.type_name in DEQUANTIZED:
-        return mx.array(_k_quant(data, t).astype(np.float16))
+    if t.type_name in REQUANTIZED:
+        values = _k_quant(data, t)
+        if not requantize or t.shape[-1] % 32 or len(t.shape) < 2:
+            return mx.array(values)
+        return _requantize8(values)
     dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[t.type_name]
     value = mx.array(data[t.offset: t.offset + t.nbytes].view(dtype).reshape(t.shape))
     return value.view(mx.bfloat16) if t.type_name == "BF16" else value
 
 
-def load_weights(path: Path, infos: List[TensorInfo], config: dict):
+def load_weights(path: Path, infos: List[TensorInfo], config: dict, requantize: bool = True):
     """mlx-lm named weights (quantized triples where the file is Q4_0/Q4_1/Q8_0), and
     llama.cpp's RoPE frequency factors where the file has them (else None)."""
     for t in infos:
-        if t.type_name not in SUPPORTED_TYPES and (mlx_name(t.name) or t.name == "rope_freqs.weight"):
+        if t.type_name not in SUPPORTED_TYPES and (mlx_name(t.name, "gemma3") or
+                                                   t.name == "rope_freqs.weight"):
             raise EagleError(
                 f"tensor {t.name} in GGUF file {path} has type {t.type_name}, which is not "
                 f"supported; supported types: {', '.join(SUPPORTED_TYPES)}.")
     data = np.memmap(path, dtype=np.uint8, mode="r")
     weights, rope_factors = {}, None
+    arch = "gemma3" if config["model_type"] == "gemma3_text" else config["model_type"]
     for t in infos:
-        name = mlx_name(t.name)
+        name = mlx_name(t.name, arch)
         if t.name == "rope_freqs.weight":
             rope_factors = read_tensor(data, t)
         if name is None:
             continue
-        value = read_tensor(data, t)
+        value = read_tensor(data, t, requantize)
         if isinstance(value, tuple):
             base = name.rsplit(".", 1)[0]
             weights.update(zip((name, f"{base}.scales", f"{base}.biases"), value))
         else:
             weights[name] = value
+    if arch == "gemma3":  # llama.cpp stores Gemma's norm weights w as 1 + w
+        for key, value in list(weights.items()):
+            if key.endswith("norm.weight"):
+                weights[key] = value.astype(mx.float32) - 1
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     # llama.cpp's converter permutes Q/K rows for the llama architecture only (Qwen files
     # keep the rotate-half layout, which ggml's NEOX RoPE reads)
@@ -560,12 +658,13 @@ def build_tokenizer(meta: dict, path: Path):
 
 # ---------------------------------------------------------------------------- entry point
 
-def load_gguf(path: Path):
-    """(mlx-lm model, config, TokenizerWrapper) for a GGUF file."""
+def load_gguf(path: Path, requantize: bool = True):
+    """(mlx-lm model, config, TokenizerWrapper) for a GGUF file (requantize: see
+    `read_tensor`)."""
     meta, infos = read_header(path)
     config = model_config(meta, infos, path)
     tokenizer = build_tokenizer(meta, path)
-    weights, rope_factors = load_weights(path, infos, config)
+    weights, rope_factors = load_weights(path, infos, config, requantize)
     try:
         model = build_model(config, weights, rope_factors)
     except Exception as e:

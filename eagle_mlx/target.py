@@ -391,7 +391,8 @@ def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = No
     gguf_file = find_gguf(local) if local.exists() else None
     if gguf_file is not None:
         path = gguf_file
-        model, config, tokenizer = load_gguf(gguf_file)
+        # a target converted to floats takes every tensor's exact values
+        model, config, tokenizer = load_gguf(gguf_file, requantize=convert_to is None)
     else:
         from . import mlxlm
 

@@ -80,22 +80,33 @@ GGUF_NAMES = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+# llama.cpp's Gemma 3 names: four norms a layer ("ffn_norm" is the pre-feedforward one)
+GEMMA3_NAMES = {**GGUF_NAMES, "pre_feedforward_layernorm": "ffn_norm",
+                "post_attention_layernorm": "post_attention_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name.startswith("model.layers."):
         _, _, i, rest = hf_name.split(".", 3)
         base, part = rest.rsplit(".", 1)
-        return f"blk.{i}.{GGUF_NAMES[base]}.{part}"
+        names = GEMMA3_NAMES if arch == "gemma3" else GGUF_NAMES
+        return f"blk.{i}.{names[base]}.{part}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf_name]
 
 
 def write_gguf(path: Path, hf_folder: Path, vocab: str, types=None, default="F32",
-               spm_processor=None, gpt2_vocab=None, pre="gpt2", add_bos=None, arch="llama"):
+               spm_processor=None, gpt2_vocab=None, pre="gpt2", add_bos=None, arch="llama",
+               raw=None):
     """Write the transformers model in `hf_folder` as a GGUF of architecture `arch`
-    (llama, qwen2, qwen3: Q/K rows permuted for llama only, as llama.cpp's converter does).
+    (llama, qwen2, qwen3, gemma3: Q/K rows permuted for llama only and Gemma's norm weights
+    stored as 1 + w, as llama.cpp's converter does).
 
     types: {gguf tensor name (or a substring of it): ggml type name}; 2-D weights not named
-    get `default`, norms stay F32 (as llama.cpp keeps them)."""
+    get `default`, norms stay F32 (as llama.cpp keeps them). raw: {gguf tensor name: (ggml
+    type name, block bytes)} written instead of the model's values (the K-quants, which
+    the gguf package cannot quantize)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -111,8 +122,12 @@ def write_gguf(path: Path, hf_folder: Path, vocab: str, types=None, default="F32
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma: per layer kind, the global one here
+    w.add_rope_freq_base(cfg.get("rope_theta") or rope["rope_theta"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if arch == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
     if arch != "llama":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -157,8 +172,14 @@ def write_gguf(path: Path, hf_folder: Path, vocab: str, types=None, default="F32
     w.add_chat_template(CHATML)
     types = types or {}
     for hf_name, arr in state.items():
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, arch)
         arr = arr.astype(np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr + 1
+        if name in (raw or {}):
+            qtype, data = raw[name]
+            w.add_tensor(name, data, raw_dtype=T[qtype])
+            continue
         if arch == "llama" and "attn_q" in name:
             arr = _permute(arr, cfg["num_attention_heads"])
         elif arch == "llama" and "attn_k" in name:

@@ -148,21 +148,30 @@ def _k_quant_bytes(qtype, rows, cols, rng):
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     scales = rng.uniform(0.0005, 0.003, (rows, cols // block, 2)).astype(np.float16).view(np.uint8)
-    if qtype == gguf.GGMLQuantizationType.Q6_K:  # ql, qh, scales, d
+    T = gguf.GGMLQuantizationType
+    if qtype in (T.Q6_K, T.Q3_K):  # ..., d last
         data[..., size - 2:] = scales[..., :2]
     else:  # d, dmin: last in Q2_K, first in Q4_K / Q5_K
-        at = size - 4 if qtype == gguf.GGMLQuantizationType.Q2_K else 0
+        at = size - 4 if qtype == T.Q2_K else 0
         data[..., at: at + 4] = scales
     return data.reshape(rows, -1)
 
 
-def test_k_quant_tensors_dequantize_as_the_gguf_package_does(tmp_path):
-    """Q2_K / Q4_K / Q5_K / Q6_K (llama.cpp's usual Q4_K_M and Q5_K_M mixes) come back
-    as float16 values equal to the gguf package's reference dequantization."""
+def _dequantized(value) -> np.ndarray:
+    if isinstance(value, tuple):
+        value = mx.dequantize(*value, group_size=32, bits=value[0].shape[-1] * 32 // (
+            value[1].shape[-1] * 32))
+    return np.array(value)
+
+
+def test_k_quant_tensors_against_the_gguf_package(tmp_path):
+    """Q4_K and Q5_K stay quantized (4- and 5-bit affine, groups of 32) and dequantize to
+    exactly the gguf package's values; Q2_K, Q3_K and Q6_K (groups of 16) read as their
+    exact values, or quantized to 8 bits within half a step of them."""
     from eagle_mlx.gguf import read_header, read_tensor
 
     T = gguf.GGMLQuantizationType
-    kinds = [T.Q2_K, T.Q4_K, T.Q5_K, T.Q6_K]
+    kinds = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
     rng = np.random.default_rng(1)
     w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
     for qtype in kinds:
@@ -175,10 +184,82 @@ def test_k_quant_tensors_dequantize_as_the_gguf_package_does(tmp_path):
     assert [t.type_name for t in infos] == [k.name for k in kinds]
     data = np.memmap(tmp_path / "k.gguf", dtype=np.uint8, mode="r")
     for t, ref in zip(infos, gguf.GGUFReader(str(tmp_path / "k.gguf")).tensors):
-        expected = gguf.quants.dequantize(ref.data, ref.tensor_type)
-        ours = np.array(read_tensor(data, t))
-        assert ours.dtype == np.float16 and ours.shape == (8, 512)
-        np.testing.assert_array_equal(ours, expected.astype(np.float16), err_msg=t.name)
+        expected = gguf.quants.dequantize(ref.data, ref.tensor_type).reshape(8, 512)
+        value = read_tensor(data, t)
+        assert isinstance(value, tuple), t.name
+        bits = value[0].shape[-1] * 32 // 512
+        if t.type_name in ("Q4_K", "Q5_K"):
+            assert bits == {"Q4_K": 4, "Q5_K": 5}[t.type_name]
+            ours = np.array(mx.dequantize(*value, group_size=32, bits=bits))
+            np.testing.assert_array_equal(ours, expected, err_msg=t.name)
+        else:
+            assert bits == 8
+            ours = np.array(mx.dequantize(*value, group_size=32, bits=8))
+            half_step = np.repeat(np.array(value[1]), 32, axis=-1) / 2
+            # half a step, and float32's rounding of the values themselves
+            assert np.all(np.abs(ours - expected) <= half_step + np.abs(expected).max() * 1e-6), t.name
+            exact = np.array(read_tensor(data, t, requantize=False))
+            assert exact.dtype == np.float32
+            np.testing.assert_array_equal(exact, expected, err_msg=t.name)
+
+
+def _gemma3_folder(folder, v, **overrides):
+    """A tiny transformers Gemma 3 as llama.cpp's Gemma 3 files describe it: every sixth
+    layer global, queries scaled by the head size (256), window 8."""
+    return make_hf_model(folder, "gemma3_text", vocab_size=v, num_hidden_layers=6,
+                         num_key_value_heads=2, sliding_window=8, head_dim=256,
+                         query_pre_attn_scalar=256, **overrides)
+
+
+def test_gemma3_gguf_matches_transformers(tmp_path, gpt2_vocab):
+    """A float Gemma 3 GGUF (norms stored as 1 + w, its own names for the four norms of a
+    layer) and the same file in Q8_0/Q5_0: logits and hidden states of 24 tokens (three
+    windows) against transformers' GGUF loader."""
+    folder = _gemma3_folder(tmp_path / "g3", len(gpt2_vocab[0]))
+    path = write_gguf(tmp_path / "g3.gguf", folder, "gpt2", gpt2_vocab=gpt2_vocab, arch="gemma3")
+    target, _ = compare_with_transformers(path)
+    assert target.model_type == "gemma3_text" and target.windows == [8] * 5 + [None]
+    quantized = write_gguf(tmp_path / "g3-q.gguf", folder, "gpt2", gpt2_vocab=gpt2_vocab,
+                           arch="gemma3", default="Q8_0", types={"ffn": "Q5_0"})
+    compare_with_transformers(quantized, atol=1e-3)
+
+
+def test_gemma3_k_quant_mix_stays_quantized_and_dequantizes_exactly(tmp_path, gpt2_vocab):
+    """A Gemma 3 file mixing every kept type: as stored, each layer keeps its own bits (Q4_K
+    4, Q5_K/Q5_0/Q5_1 5, Q8_0 8; Q6_K/Q3_K/Q2_K 8 from their values); in float32 (the CPU
+    default) every weight equals the gguf package's dequantization and the logits equal
+    transformers' from the same file."""
+    from mlx.utils import tree_flatten
+
+    T = gguf.GGMLQuantizationType
+    folder = _gemma3_folder(tmp_path / "g3", len(gpt2_vocab[0]), hidden_size=256,
+                            intermediate_size=512)
+    rng = np.random.default_rng(2)
+    shapes = {"blk.0.attn_output.weight": ("Q4_K", 256, 1024), "blk.1.ffn_up.weight": ("Q5_K", 512, 256),
+              "blk.2.ffn_down.weight": ("Q6_K", 256, 512), "blk.3.ffn_gate.weight": ("Q3_K", 512, 256),
+              "blk.4.attn_q.weight": ("Q2_K", 1024, 256)}
+    raw = {n: (q, _k_quant_bytes(T[q], r, c, rng)) for n, (q, r, c) in shapes.items()}
+    path = write_gguf(tmp_path / "mix.gguf", folder, "gpt2", gpt2_vocab=gpt2_vocab, arch="gemma3",
+                      types={"token_embd": "Q8_0", "attn_v": "Q5_0", "attn_k": "Q5_1"}, raw=raw)
+    stored, _ = load_target(str(path), dtype="stored")
+    layers = stored.layers
+    bits = [layers[0].self_attn.o_proj.bits, layers[1].mlp.up_proj.bits, layers[2].mlp.down_proj.bits,
+            layers[3].mlp.gate_proj.bits, layers[4].self_attn.q_proj.bits,
+            layers[0].self_attn.v_proj.bits, layers[0].self_attn.k_proj.bits, stored.embed_tokens.bits]
+    assert bits == [4, 5, 8, 8, 8, 5, 5, 8]
+    dense, ref = compare_with_transformers(path)
+    ours = dict(tree_flatten(dense.model.parameters()))
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.tensor_type in (T.F32, T.F16):
+            continue
+        name = {"token_embd.weight": "model.embed_tokens.weight"}.get(t.name) or \
+            "model.layers.{}.{}.weight".format(t.name.split(".")[1], {
+                "attn_output": "self_attn.o_proj", "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj", "ffn_gate": "mlp.gate_proj"}[t.name.split(".")[2]])
+        expected = gguf.quants.dequantize(t.data, t.tensor_type)
+        np.testing.assert_array_equal(np.array(ours[name]), expected.reshape(ours[name].shape),
+                                      err_msg=t.name)
 
 
 def test_convert_writes_a_gguf_target_as_an_mlx_folder(tmp_path, hf_folders, gpt2_vocab):
@@ -334,9 +415,11 @@ def test_bad_gguf_files_end_in_one_sentence(tmp_path, hf_folders, gpt2_vocab, ca
     arch.write_tensors_to_file()
     arch.close()
     cases["arch.gguf"] = "'falcon' model; supported architectures: llama"
-    write_gguf(tmp_path / "q5.gguf", hf_folders["untied"], "gpt2", types={"ffn_up": "Q5_0"},
-               gpt2_vocab=gpt2_vocab)
-    cases["q5.gguf"] = "tensor blk.0.ffn_up.weight"
+    iq4 = (gguf.GGMLQuantizationType.IQ4_NL.name,  # a type MLX has no layout for
+           np.random.default_rng(0).integers(0, 256, (128, 2 * 18), dtype=np.uint8))
+    write_gguf(tmp_path / "iq4.gguf", hf_folders["untied"], "gpt2",
+               raw={"blk.0.ffn_up.weight": iq4}, gpt2_vocab=gpt2_vocab)
+    cases["iq4.gguf"] = "tensor blk.0.ffn_up.weight"
     write_gguf(tmp_path / "novocab.gguf", hf_folders["untied"], "none", gpt2_vocab=gpt2_vocab)
     cases["novocab.gguf"] = "no vocabulary"
     (tmp_path / "two").mkdir()
@@ -348,5 +431,5 @@ def test_bad_gguf_files_end_in_one_sentence(tmp_path, hf_folders, gpt2_vocab, ca
         assert r.returncode == 1, (name, r.stderr)
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert expected in r.stderr, (name, r.stderr)
-        if name == "q5.gguf":
-            assert "type Q5_0" in r.stderr
+        if name == "iq4.gguf":
+            assert "type IQ4_NL" in r.stderr

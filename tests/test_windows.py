@@ -275,3 +275,49 @@ def test_a_gemma3_pattern_mlx_lm_cannot_build_is_refused(tiny_dir, tmp_path):
     _write_config(folder, layer_types=["full_attention"] + ["sliding_attention"] * 5)
     with pytest.raises(EagleError, match="Gemma 3 layer_types must repeat"):
         load_target(str(folder))
+
+
+FP4_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _mxfp4_reference(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The OCP MX format decoded by hand: eight E2M1 values per uint32 (low nibble first),
+    one power-of-two scale (E8M0, bias 127) per 32 values."""
+    nibbles = (packed[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+    values = FP4_E2M1[nibbles].reshape(*packed.shape[:-1], -1)
+    scale = np.exp2(scales.astype(np.float32) - 127)
+    return values * np.repeat(scale, 32, axis=-1)
+
+
+def test_mxfp4_experts_load_and_dequantize_exactly(tiny_dir, tmp_path):
+    """A gpt-oss with MXFP4 experts, as mlx-community converts them (`mode` in the
+    quantization config): it loads as stored, and dtype float32 dequantizes the experts to
+    exactly the values the format encodes; both forwards agree."""
+    import shutil
+
+    from eagle_mlx import mlxlm
+
+    src = tiny_dir("gpt_oss_swa")
+    target, _ = load_target(str(src), dtype="stored")
+    model, config = mlxlm.quantize_model(target.model, dict(target.config), 32, 4, mode="mxfp4",
+                                         quant_predicate=lambda path, m: ".experts." in path)
+    out = tmp_path / "mxfp4"
+    out.mkdir()
+    mlxlm.save_model(out, model)
+    mlxlm.save_config(config, out / "config.json")
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    assert json.loads((out / "config.json").read_text())["quantization"]["mode"] == "mxfp4"
+    stored, _ = load_target(str(out), dtype="stored")
+    dense, _ = load_target(str(out), dtype="float32")
+    q = stored.layers[1].mlp.experts.gate_proj
+    assert q.mode == "mxfp4" and q.scales.dtype == mx.uint8
+    expected = _mxfp4_reference(np.array(q.weight), np.array(q.scales))
+    got = dense.layers[1].mlp.experts.gate_proj.weight
+    assert got.dtype == mx.float32
+    np.testing.assert_array_equal(np.array(got), expected)
+    ids = mx.array([np.random.default_rng(0).integers(3, 256, 24).tolist()])
+    a = np.array(stored.lm_head(stored(ids)[0]))
+    b = np.array(dense.lm_head(dense(ids)[0]))
+    np.testing.assert_allclose(a, b, atol=1e-3, rtol=0)
