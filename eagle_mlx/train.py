@@ -59,7 +59,7 @@ DEFAULTS = {"eagle1": {"lr": 3e-5, "weight_decay": 0.01, "noise": 0.1},
 
 def new_head_config(target) -> dict:
     """An EAGLE-1 head config for `target`, in the published (Llama) layout."""
-    c = target.config
+    c = target.family.text_config()
     n_heads = c["num_attention_heads"]
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",

@@ -321,3 +321,102 @@ def test_mxfp4_experts_load_and_dequantize_exactly(tiny_dir, tmp_path):
     a = np.array(stored.lm_head(stored(ids)[0]))
     b = np.array(dense.lm_head(dense(ids)[0]))
     np.testing.assert_allclose(a, b, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("name,wrapper", [("gemma3_swa", "gemma3"), ("ministral3_swa", "mistral3")])
+def test_a_multimodal_checkpoint_runs_its_language_model(tiny_dir, tmp_path, name, wrapper):
+    """A Gemma 3 / Mistral 3 checkpoint (text_config, weights under the language model's
+    prefix, a vision tower beside it) is its language model: logits and greedy decoding equal
+    transformers' text model."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = tiny_dir(name)
+    folder = tmp_path / wrapper
+    shutil.copytree(src, folder)
+    text = json.loads((src / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": wrapper, "architectures": ["ForConditionalGeneration"],
+        "text_config": text, "vocab_size": text["vocab_size"],
+        "vision_config": {"hidden_size": 8}, "eos_token_id": text.get("eos_token_id")}))
+    weights = load_file(str(src / "model.safetensors"))
+    if wrapper == "gemma3":  # the layout of the Gemma 3 checkpoints on the Hub
+        renamed = {"language_model." + k: v for k, v in weights.items()}
+    else:  # transformers >= 5
+        renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+                   for k, v in weights.items()}
+    renamed["vision_tower.patch.weight"] = np.zeros((8, 8), np.float32)
+    save_file(renamed, str(folder / "model.safetensors"))
+    target, tok = load_target(str(folder))
+    assert target.model_type == wrapper and target.windows == load_target(str(src))[0].windows
+    reference = hf_model(src)
+    ids = np.random.default_rng(4).integers(3, target.vocab_size, 30).tolist()
+    h, _ = target(mx.array([ids]))
+    np.testing.assert_allclose(np.array(target.lm_head(h)[0]), hf_logits(reference, ids), atol=1e-4,
+                               rtol=0)
+    model = eagle_mlx.EagleModel(target)
+    tok.eos_token_ids = set()
+    out = [t for r in eagle_mlx.stream_generate(model, tok, ids, max_tokens=12) for t in r.tokens]
+    assert out == hf_greedy(reference, ids, 12)
+
+
+class _ForeknowingDrafter:
+    """Drafts from a known continuation (transformers' greedy one): a chain whose first
+    `right` tokens are correct and then wrong, and a wrong sibling at every depth, so that
+    cycles accept long paths (up to depth - 1 tokens) across the windows, and short ones."""
+
+    features = None
+
+    def __init__(self, sequence, depth, vocab, seed):
+        self.sequence, self.max_depth, self.vocab = sequence, depth, vocab
+        self.rng = np.random.default_rng(seed)
+        self.owner = self
+
+    def new_state(self):
+        return {"seen": 0}
+
+    def offset(self, state):
+        return state["seen"]
+
+    def truncate(self, state, length):
+        state["seen"] = min(state["seen"], length)
+
+    def propose(self, state, features, tokens, root):
+        from eagle_mlx.tree import tree_from_parents
+
+        state["seen"] += tokens.shape[0]
+        at = state["seen"]  # the root is sequence[at]
+        right = int(self.rng.integers(0, self.max_depth))
+        toks, parents, chain = [int(root.item())], [0], 0
+        for d in range(1, self.max_depth):
+            true = self.sequence[at + d] if at + d < len(self.sequence) else 3
+            good = true if d <= right else (true + 1) % self.vocab
+            for token in (good, (true + 2) % self.vocab):
+                toks.append(token)
+                parents.append(chain)
+            chain = len(toks) - 2
+        n = len(toks)
+        return tree_from_parents(mx.array(toks), mx.array(parents), mx.zeros(n), self.max_depth)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_long_accepted_paths_cross_the_windows_exactly(tiny_dir, name):
+    """Trees whose right branch runs up to 5 tokens deep (windows of 8): every cycle keeps
+    its accepted path in every window cache, and the output is transformers' greedy output."""
+    from eagle_mlx.speculative import speculative_steps
+
+    folder = tiny_dir(name)
+    target, _ = load_target(str(folder))
+    prompt = np.random.default_rng(5).integers(3, target.vocab_size, 21).tolist()
+    expected = hf_greedy(hf_model(folder), prompt, 48)
+    drafter = _ForeknowingDrafter(prompt + expected, 6, target.vocab_size, seed=1)
+    out, accepted = [], []
+    for step in speculative_steps(target, drafter, prompt, SamplingParams(temp=0.0)):
+        out += step.tokens
+        if step.accept_length is not None:
+            accepted.append(step.accept_length)
+        if len(out) >= 48:
+            break
+    assert out[:48] == expected
+    assert max(accepted) == 5 and np.mean(accepted) > 1.5, accepted
