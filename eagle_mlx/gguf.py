@@ -40,16 +40,17 @@ GGML_TYPES = {
     39: ("MXFP4", 32, 17),
 }
 # kept quantized, exactly: MLX affine with groups of 32 (Q4_K / Q5_K with float32 scales)
-QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
+QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "MXFP4")
 FLOAT = ("F32", "F16", "BF16")
 # K-quants with groups of 16 (no MLX layout holds them exactly): 8-bit affine, groups of 32,
 # quantized from their float32 values (error: at most half a step, 1/510 of a group's range;
 # `_requantize8`)
 REQUANTIZED = ("Q2_K", "Q3_K", "Q6_K")
 SUPPORTED_TYPES = FLOAT + QUANTIZED + REQUANTIZED
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "gpt-oss")
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                     "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                     "gpt-oss": "GptOssForCausalLM"}
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
@@ -182,9 +183,10 @@ def model_config(meta: dict, infos: List[TensorInfo], path: Path) -> dict:
                              "supported.")
         return value
 
-    if get("expert_count", 0):
-        raise EagleError(f"GGUF file {path} holds a mixture-of-experts model; GGUF targets "
-                         f"support dense {', '.join(SUPPORTED_ARCHITECTURES)} models.")
+    if get("expert_count", 0) and arch != "gpt-oss":
+        raise EagleError(f"GGUF file {path} holds a mixture-of-experts {arch} model; GGUF "
+                         "targets support dense llama, qwen2, qwen3 and gemma3 models, and "
+                         "gpt-oss.")
     names = {t.name for t in infos}
     hidden = int(get("embedding_length", required=True))
     heads = int(get("attention.head_count", required=True))
@@ -215,6 +217,9 @@ def model_config(meta: dict, infos: List[TensorInfo], path: Path) -> dict:
     }
     if arch == "gemma3":
         config.update(_gemma3_config(config, get, path))
+    if arch == "gpt-oss":
+        config.update(_gpt_oss_config(config, get, path))
+        return config
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
@@ -238,6 +243,29 @@ def _gemma3_config(config: dict, get, path: Path) -> dict:
             "attention_bias": False, "mlp_bias": False}
 
 
+def _gpt_oss_config(config: dict, get, path: Path) -> dict:
+    """gpt-oss as llama.cpp writes it: experts, a window on every other layer (the first
+    one sliding), YaRN. The model's YaRN is the untruncated one (its config says
+    `truncate: false`), which transformers computes."""
+    scaling = get("rope.scaling.type")
+    out = {"model_type": "gpt_oss", "num_local_experts": int(get("expert_count", required=True)),
+           "num_experts_per_tok": int(get("expert_used_count", required=True)),
+           "intermediate_size": int(get("expert_feed_forward_length",
+                                        config["intermediate_size"])),
+           "sliding_window": int(get("attention.sliding_window", required=True)),
+           "attention_bias": True, "mlp_bias": False}
+    if scaling not in (None, "none"):
+        if scaling != "yarn":
+            raise EagleError(f"GGUF file {path} uses RoPE scaling '{scaling}'; gpt-oss uses yarn.")
+        out["rope_scaling"] = {
+            "rope_type": "yarn", "factor": float(get("rope.scaling.factor", 1.0)),
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length",
+                                                        4096)),
+            "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+    return out
+
+
 # ---------------------------------------------------------------------------- weights
 
 _LAYER_NAMES = {
@@ -255,6 +283,12 @@ _PART = re.compile(r"^(.*)\.(weight|bias|scales|biases)$")
 _GEMMA3_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                  "post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}
+# gpt-oss: its router, the experts' stacked projections, the attention sinks
+_GPT_OSS_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                  "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj",
+                  "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+                  "attn_sinks": "self_attn.sinks"}
+_ARCH_NAMES = {"gemma3": _GEMMA3_NAMES, "gpt-oss": _GPT_OSS_NAMES}
 
 
 def mlx_name(name: str, arch: str = "llama") -> Optional[str]:
@@ -265,9 +299,11 @@ def mlx_name(name: str, arch: str = "llama") -> Optional[str]:
     base, part = m.groups()
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{part}"
-    names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = _ARCH_NAMES.get(arch, _LAYER_NAMES)
     m = re.match(r"^blk\.(\d+)\.(\w+)$", base)
     if m and m.group(2) in names:
+        if m.group(2) == "attn_sinks":  # a parameter of its own, not a layer's weight
+            return f"model.layers.{m.group(1)}.self_attn.sinks"
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{part}"
     return None
 
@@ -309,6 +345,12 @@ def _quantized(data: np.ndarray, t: TensorInfo):
     d*q + m; Q5_0 d*(q-16) = d*q - 16d; Q5_1 d*q + m; Q4_K / Q5_K (d*sc)*q - dmin*m per
     group of 32, with the products in float32 (as ggml computes them)."""
     rows = t.shape[:-1]
+    if t.type_name == "MXFP4":  # e (E8M0) then qs[16]: values j and j+16 in qs[j]'s nibbles
+        b = _blocks(data, t, 17)
+        qs = b[:, 1:]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=1)  # E2M1 codes, as MLX's mxfp4 holds them
+        return (mx.array(_pack(q.reshape(*rows, -1), 4)),
+                mx.array(np.ascontiguousarray(b[:, 0]).reshape(*rows, -1)), None)
     if t.type_name in ("Q4_K", "Q5_K"):
         q, scales, biases = _k_groups(data, t)
         bits = 4 if t.type_name == "Q4_K" else 5
@@ -424,7 +466,7 @@ def read_tensor(data: np.ndarray, t: TensorInfo, requantize: bool = True):
         return _quantized(data, t)
     if t.type_name in REQUANTIZED:
         values = _k_quant(data, t)
-        if not requantize or t.shape[-1] % 32 or len(t.shape) < 2:
+        if not requantize or t.shape[-1] % 32 or len(t.shape) < 2:  # (1-D: as values)
             return mx.array(values)
         return _requantize8(values)
     dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[t.type_name]
@@ -433,17 +475,18 @@ def read_tensor(data: np.ndarray, t: TensorInfo, requantize: bool = True):
 
 
 def load_weights(path: Path, infos: List[TensorInfo], config: dict, requantize: bool = True):
-    """mlx-lm named weights (quantized triples where the file is Q4_0/Q4_1/Q8_0), and
+    """mlx-lm named weights (quantized triples for the types kept quantized), and
     llama.cpp's RoPE frequency factors where the file has them (else None)."""
+    arch = {"gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}.get(config["model_type"],
+                                                             config["model_type"])
     for t in infos:
-        if t.type_name not in SUPPORTED_TYPES and (mlx_name(t.name, "gemma3") or
+        if t.type_name not in SUPPORTED_TYPES and (mlx_name(t.name, arch) or
                                                    t.name == "rope_freqs.weight"):
             raise EagleError(
                 f"tensor {t.name} in GGUF file {path} has type {t.type_name}, which is not "
                 f"supported; supported types: {', '.join(SUPPORTED_TYPES)}.")
     data = np.memmap(path, dtype=np.uint8, mode="r")
     weights, rope_factors = {}, None
-    arch = "gemma3" if config["model_type"] == "gemma3_text" else config["model_type"]
     for t in infos:
         name = mlx_name(t.name, arch)
         if t.name == "rope_freqs.weight":
@@ -453,7 +496,8 @@ def load_weights(path: Path, infos: List[TensorInfo], config: dict, requantize: 
         value = read_tensor(data, t, requantize)
         if isinstance(value, tuple):
             base = name.rsplit(".", 1)[0]
-            weights.update(zip((name, f"{base}.scales", f"{base}.biases"), value))
+            weights.update((k, v) for k, v in zip((name, f"{base}.scales", f"{base}.biases"), value)
+                           if v is not None)
         else:
             weights[name] = value
     if arch == "gemma3":  # llama.cpp stores Gemma's norm weights w as 1 + w
@@ -491,11 +535,12 @@ class FreqsRoPE(nn.Module):
 
 
 def _packed_as(path: str, module: nn.Module, weights: Dict[str, mx.array]) -> dict:
-    """The group size and bits a layer's weights were packed with here (affine): read off
-    the shapes of its packed weight and scales."""
+    """The group size, bits and mode a layer's weights were packed with here, read off
+    the shapes of its packed weight and scales (no biases: MXFP4)."""
     in_dims = module.weight.shape[-1]
     return {"group_size": in_dims // weights[f"{path}.scales"].shape[-1],
-            "bits": weights[f"{path}.weight"].shape[-1] * 32 // in_dims, "mode": "affine"}
+            "bits": weights[f"{path}.weight"].shape[-1] * 32 // in_dims,
+            "mode": "affine" if f"{path}.biases" in weights else "mxfp4"}
 
 
 def build_model(config: dict, weights: Dict[str, mx.array], rope_factors=None) -> nn.Module:
@@ -534,8 +579,15 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tiktoken's o200k_base (gpt-oss, GPT-4o): case-aware letter runs with their contraction
+_O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # llama.cpp's pre-tokenizer names -> the split its vocabulary was trained with
 PRE_TOKENIZER_SPLITS = {
+    "gpt-4o": _O200K_SPLIT,
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
     "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,

@@ -200,3 +200,88 @@ def write_gguf(path: Path, hf_folder: Path, vocab: str, types=None, default="F32
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_gpt_oss_gguf(path: Path, hf_folder: Path, gpt2_vocab):
+    """A transformers gpt-oss as llama.cpp's converter writes it: the fused, interleaved
+    gate/up experts split into ffn_gate_exps / ffn_up_exps ([E, out, in], MXFP4 as
+    `gguf` quantizes it), biases and sinks in F32, YaRN and the window in the metadata.
+    Returns transformers' state dict with the experts replaced by the values the file holds
+    (the `gguf` package's dequantization), for the reference model."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    state = load_file(str(hf_folder / "model.safetensors"))
+    T = gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_name("tiny test gpt-oss")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg["rope_parameters"]
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_vocab_size(cfg["vocab_size"])
+    tokens, merges, _ = gpt2_vocab
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    names = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+             "mlp.router.bias": "ffn_gate_inp.bias"}
+    for p in "qkvo":
+        for part in ("weight", "bias"):
+            names[f"self_attn.{p}_proj.{part}"] = f"{'attn_output' if p == 'o' else 'attn_' + p}.{part}"
+    reference = dict(state)
+    for hf_name, arr in state.items():
+        arr = arr.astype(np.float32)
+        if not hf_name.startswith("model.layers."):
+            w.add_tensor({"model.embed_tokens.weight": "token_embd.weight",
+                          "model.norm.weight": "output_norm.weight",
+                          "lm_head.weight": "output.weight"}[hf_name], arr)
+            continue
+        _, _, i, rest = hf_name.split(".", 3)
+        blk = f"blk.{i}."
+        if rest == "mlp.experts.gate_up_proj":  # [E, H, 2I], gate and up interleaved
+            values = []
+            for j, kind in ((0, "gate"), (1, "up")):
+                q = gguf.quants.quantize(np.ascontiguousarray(arr[..., j::2].swapaxes(1, 2)), T.MXFP4)
+                w.add_tensor(blk + f"ffn_{kind}_exps.weight", q, raw_dtype=T.MXFP4)
+                values.append(gguf.quants.dequantize(q, T.MXFP4).swapaxes(1, 2))
+            fused = np.empty_like(arr)
+            fused[..., 0::2], fused[..., 1::2] = values
+            reference[hf_name] = fused
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            w.add_tensor(blk + "ffn_gate_exps.bias", np.ascontiguousarray(arr[..., 0::2]))
+            w.add_tensor(blk + "ffn_up_exps.bias", np.ascontiguousarray(arr[..., 1::2]))
+        elif rest == "mlp.experts.down_proj":  # [E, I, H]
+            q = gguf.quants.quantize(np.ascontiguousarray(arr.swapaxes(1, 2)), T.MXFP4)
+            w.add_tensor(blk + "ffn_down_exps.weight", q, raw_dtype=T.MXFP4)
+            reference[hf_name] = gguf.quants.dequantize(q, T.MXFP4).swapaxes(1, 2)
+        elif rest == "mlp.experts.down_proj_bias":
+            w.add_tensor(blk + "ffn_down_exps.bias", arr)
+        else:
+            w.add_tensor(blk + names[rest], arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return reference

@@ -14,7 +14,7 @@ import pytest
 
 from eagle_mlx import load_target
 from gguf_files import (CHATML, CORPUS, SPECIALS, train_gpt2_vocab, train_spm_vocab,
-                        write_gguf)
+                        write_gguf, write_gpt_oss_gguf)
 from tiny import ROOT, make_hf_model
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (test extra) is not installed")
@@ -262,6 +262,43 @@ def test_gemma3_k_quant_mix_stays_quantized_and_dequantizes_exactly(tmp_path, gp
                                       err_msg=t.name)
 
 
+def test_gpt_oss_gguf_with_mxfp4_experts(tmp_path, gpt2_vocab):
+    """A gpt-oss file as llama.cpp writes it (MXFP4 experts, sinks, a window of 8 on every
+    other layer, YaRN): as stored the experts stay MXFP4; in float32 they equal the `gguf`
+    package's dequantization bit for bit, and the logits and hidden states of 24 tokens equal
+    transformers' gpt-oss holding the file's values."""
+    import torch
+    from mlx.utils import tree_flatten
+    from transformers import AutoModelForCausalLM
+
+    folder = make_hf_model(tmp_path / "oss", "gpt_oss", vocab_size=len(gpt2_vocab[0]),
+                           num_hidden_layers=2, num_key_value_heads=2, sliding_window=8,
+                           intermediate_size=64)
+    path = tmp_path / "oss.gguf"
+    reference = write_gpt_oss_gguf(path, folder, gpt2_vocab)
+    stored, _ = load_target(str(path), dtype="stored")
+    experts = stored.layers[1].mlp.experts
+    assert (experts.gate_proj.mode, experts.down_proj.mode) == ("mxfp4", "mxfp4")
+    assert stored.windows == [8, None]
+    target, _ = load_target(str(path))
+    ours = dict(tree_flatten(target.model.parameters()))
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.tensor_type == gguf.GGMLQuantizationType.MXFP4:
+            i, kind = t.name.split(".")[1], t.name.split(".")[2][4:-5]  # ffn_<kind>_exps
+            got = np.array(ours[f"model.layers.{i}.mlp.experts.{kind}_proj.weight"])
+            expected = gguf.quants.dequantize(t.data, t.tensor_type)
+            np.testing.assert_array_equal(got, expected.reshape(got.shape), err_msg=t.name)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in reference.items()})
+    ids = np.random.default_rng(0).integers(3, target.vocab_size, 24).tolist()
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_hidden_states=True)
+    h, tapped = target(mx.array([ids]), taps=(0, 1))
+    np.testing.assert_allclose(np.array(target.lm_head(h))[0], out.logits[0].numpy(), atol=1e-4, rtol=0)
+    for k, t in enumerate(tapped):
+        np.testing.assert_allclose(np.array(t[0]), out.hidden_states[k][0].numpy(), atol=1e-4, rtol=0)
+
+
 def test_convert_writes_a_gguf_target_as_an_mlx_folder(tmp_path, hf_folders, gpt2_vocab):
     """`convert --model FILE.gguf` writes a folder mlx-lm itself loads: same quantized
     layers and bits, same logits, same tokenizer and chat template."""
@@ -347,6 +384,31 @@ def test_llama3_pre_tokenizer_matches_transformers(tmp_path, hf_folders, gpt2_vo
         ids = ours.encode(s)
         assert ids == ref.encode(s), s
         assert ids[0] == 0  # BOS added, as the file says
+
+
+# tiktoken's o200k_base split, as tiktoken defines it (gpt-oss files name it "gpt-4o")
+O200K = "|".join([
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""",
+    r"""\s+"""])
+
+
+def test_gpt4o_pre_tokenizer_splits_as_o200k(tmp_path, hf_folders, gpt2_vocab):
+    """The `gpt-4o` pre-tokenizer of gpt-oss files cuts text where the `regex` module cuts
+    it with tiktoken's o200k_base pattern (before the byte-level BPE)."""
+    import regex
+
+    path = write_gguf(tmp_path / "o200k.gguf", hf_folders["tied"], "gpt2", gpt2_vocab=gpt2_vocab,
+                      pre="gpt-4o")
+    _, ours = load_target(str(path))
+    pre = ours._tokenizer.backend_tokenizer.pre_tokenizer
+    from eagle_mlx.gguf import _bytes_to_unicode
+
+    unspell = {v: k for k, v in _bytes_to_unicode().items()}  # ByteLevel spells the bytes
+    for s in sample_strings() + ["I'M HERE and you're THERE", "CamelCase wordsAndMore", "a/b/\n"]:
+        pieces = [bytes(unspell[c] for c in p).decode("utf-8") for p, _ in pre.pre_tokenize_str(s)]
+        assert pieces == regex.findall(O200K, s), s
 
 
 def test_digit_splitting_pre_tokenizer(tmp_path, hf_folders, gpt2_vocab):
