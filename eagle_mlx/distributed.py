@@ -52,7 +52,8 @@ def shard(model, config: dict, g: mx.distributed.Group, path) -> None:
     n = g.size()
     if not hasattr(model, "shard"):
         raise EagleError(f"mlx-lm cannot shard {config.get('model_type')} models ({path}) "
-                         "across machines; it shards Llama, Qwen2, Qwen3 and Qwen3-MoE.")
+                         "across machines; it shards Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, "
+                         "gpt-oss and Ministral 3.")
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or heads
     inter = config.get("intermediate_size") or 0

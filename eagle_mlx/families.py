@@ -215,9 +215,18 @@ class Gemma3Family(LayerCallFamily):
 
     def mlx_lm_exact(self, windows) -> bool:
         # the embedding scale (below) differs from mlx-lm's unless sqrt(hidden) is a
-        # bfloat16 number; plain decoding then runs this forward
+        # bfloat16 number, and mlx-lm ignores a final soft-cap; plain decoding then runs
+        # this forward
         scale = self.inner.args.hidden_size ** 0.5
-        return float(mx.array(scale, mx.bfloat16)) == scale
+        return float(mx.array(scale, mx.bfloat16)) == scale and self.softcap is None
+
+    @property
+    def softcap(self):
+        return self.text_config().get("final_logit_softcapping")
+
+    def logits(self, hidden):
+        out = super().logits(hidden)  # transformers: tanh(logits / cap) * cap where set
+        return out if self.softcap is None else mx.tanh(out / self.softcap) * self.softcap
 
     def embed(self, target, tokens, fwd):
         h = self.inner.embed_tokens(tokens)

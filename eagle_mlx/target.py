@@ -315,6 +315,10 @@ def check_config(config: dict, path: Path) -> None:
         raise EagleError(f"{where} asks for sliding-window attention, which Llama models do not "
                          "have (transformers ignores it); remove use_sliding_window / "
                          "sliding_window / layer_types.")
+    if model_type in ("gemma3_text", "gemma3") and \
+            (text or config).get("attn_logit_softcapping") is not None:
+        raise EagleError(f"{where} soft-caps the attention logits (attn_logit_softcapping), "
+                         "which mlx-lm's Gemma 3 does not; set it to null.")
     quant = config.get("quantization") or {}
     mode = quant.get("mode", "affine") if isinstance(quant, dict) else "affine"
     if mode not in QUANTIZATION_MODES:

@@ -420,3 +420,20 @@ def test_long_accepted_paths_cross_the_windows_exactly(tiny_dir, name):
             break
     assert out[:48] == expected
     assert max(accepted) == 5 and np.mean(accepted) > 1.5, accepted
+
+
+def test_gemma3_final_soft_cap_as_transformers_and_attention_soft_cap_refused(tiny_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "capped"
+    shutil.copytree(tiny_dir("gemma3_swa"), folder)
+    _write_config(folder, final_logit_softcapping=3.0)
+    target, _ = load_target(str(folder))
+    ids = np.random.default_rng(6).integers(3, target.vocab_size, 20).tolist()
+    reference = hf_logits(hf_model(folder), ids)
+    assert np.abs(reference).max() < 3.0
+    np.testing.assert_allclose(np.array(target.lm_head(target(mx.array([ids]))[0])[0]), reference,
+                               atol=1e-4, rtol=0)
+    _write_config(folder, attn_logit_softcapping=50.0)
+    with pytest.raises(EagleError, match="attn_logit_softcapping"):
+        load_target(str(folder))
