@@ -6,7 +6,7 @@ window of the latest positions plus room for what is appended next (`WindowKVCac
 
 import mlx.core as mx
 
-from .mlxlm import KVCache, create_causal_mask
+from .mlxlm import ArraysCache, KVCache, create_causal_mask
 
 class TreeKVCache(KVCache):
     """mlx-lm's pre-allocated KV cache (grown in steps of 256 slots) plus `keep`, the one
@@ -123,3 +123,45 @@ class WindowKVCache(TreeKVCache):
         if not self.reusable(length):
             raise ValueError(f"positions before {self.base} are no longer cached")
         self.offset = length
+
+
+class RecurrentCache(ArraysCache):
+    """The cache of a linear-attention (Gated DeltaNet) layer: mlx-lm's `ArraysCache` of
+    [convolution window (the last K-1 projected rows), recurrent state], plus the number
+    of positions it has absorbed and, between a tree verify and its acceptance, every
+    node's state and projected row (`pending`).
+
+    A recurrent state cannot be cut back: the cache is reusable only at the length it
+    holds (`reusable`); acceptance makes the accepted node's state and the window ending
+    at it the cache (`keep`), with no recomputation."""
+
+    def __init__(self, conv_rows: int):
+        super().__init__(size=2)
+        self.conv_rows = conv_rows  # K - 1
+        self.offset = 0
+        self.pending = None  # (states [T, Hv, Dv, Dk], rows [T, conv_dim]) of a tree
+
+    def advance(self, n: int) -> None:
+        super().advance(n)
+        self.offset += n
+
+    def keep(self, start: int, rows: mx.array) -> None:
+        states, projected = self.pending
+        path = rows - start
+        self[1] = states[path[-1:]]
+        held = self[0][0] if self[0] is not None else \
+            mx.zeros((0, projected.shape[-1]), projected.dtype)
+        window = mx.concatenate([held, projected[path]])
+        self[0] = window[-(self.conv_rows):][None]
+        self.offset = start + rows.shape[0]
+        self.pending = None
+
+    def reusable(self, length: int) -> bool:
+        return length == self.offset
+
+    def truncate(self, length: int) -> None:
+        if length != self.offset:
+            raise ValueError(f"a recurrent state holds {self.offset} positions, not {length}")
+
+    def arrays(self):
+        return tuple(a for a in self.cache if a is not None)

@@ -151,7 +151,8 @@ class Engine:
         size = tree.tokens.shape[0]
         mask = mx.concatenate([mx.ones((size, state.n), dtype=mx.bool_), tree.anc], axis=1)
         hidden, tapped = self.target(tree.tokens[None], state.caches,
-                                     positions=state.n + tree.depth, mask=mask, taps=self.taps)
+                                     positions=state.n + tree.depth, mask=mask, taps=self.taps,
+                                     max_depth=self.drafter.max_depth)
         return Verified(hidden, tapped, self.target.lm_head(hidden[0]))   # logits [size, V]
 
     def accept(self, tree: Tree, verified: Verified):

@@ -25,7 +25,7 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import TreeKVCache, WindowKVCache
+from .cache import RecurrentCache, TreeKVCache, WindowKVCache
 from .errors import EagleError
 from .layers import apply_rope, attention
 
@@ -42,6 +42,12 @@ class Forward:
         self.masks = {}                      # window (None: full) -> this forward's mask
         self.kv = {}                         # layer -> (keys, values, offset) it computed
         self.extra = None                    # the family's per-forward inputs
+        self.max_depth = None                # a bound on the tree's depth, where known
+
+    @property
+    def depth_bound(self) -> int:
+        """Levels below the root a tree may have (rounds of a recurrent layer's scan)."""
+        return self.T if self.max_depth is None else self.max_depth
 
     @property
     def queries(self) -> mx.array:
@@ -98,6 +104,87 @@ class AttentionMechanism:
 
     def truncate(self, cache, length: int) -> None:
         cache.truncate(length)
+
+
+class LinearAttentionMechanism:
+    """The layer mechanism of a Gated DeltaNet (linear-attention) layer: its cache is a
+    recurrent state and a convolution window (`RecurrentCache`), it needs no mask, and
+    after a tree verify it keeps the accepted node's state and window."""
+
+    window, source = None, None
+
+    def __init__(self, kernel: int):
+        self.kernel = kernel
+
+    def make_cache(self):
+        return RecurrentCache(self.kernel - 1)
+
+    def mask(self, fwd: Forward, cache):
+        return None
+
+    def accept(self, cache, start: int, rows: mx.array) -> None:
+        cache.keep(start, rows)
+
+    def reusable(self, cache, length: int) -> bool:
+        return cache.reusable(length)
+
+    def truncate(self, cache, length: int) -> None:
+        cache.truncate(length)
+
+
+def tree_ancestors(fwd: Forward):
+    """The tree of a verify forward, from its mask and positions: each node's depth [T] and
+    its ancestor-or-self mask [T, T] (the tree's own columns of the mask)."""
+    depth = fwd.positions - fwd.n
+    return depth, fwd.mask[:, fwd.n:]
+
+
+def ancestor_at(depth: mx.array, anc: mx.array, up: int) -> mx.array:
+    """For each node, the index of its ancestor `up` levels above it (itself for up = 0;
+    meaningless where the node is less deep than that)."""
+    match = anc & (depth[None, :] == (depth[:, None] - up))
+    return mx.argmax(match.astype(mx.int32), axis=1)
+
+
+def tree_gated_delta(attn, rows: mx.array, z, b, a, cache, fwd: Forward) -> mx.array:
+    """A Gated DeltaNet layer over the T nodes of a tree, with mlx-lm's own convolution,
+    q/k normalisation, gated delta rule and gated norm: every node's convolution window is
+    its own ancestors' projected rows (then the cached window's), its recurrent state its
+    parent's (the cached state for the root). The recurrence runs in rounds over all nodes
+    at once (batch T, one step): after round r every node less than r+1 deep has its
+    state, so `fwd.depth_bound` rounds finish the deepest. No Python loop over nodes.
+
+    rows: [T, conv_dim] projected rows; z [T, Hv, Dv]; b, a [T, Hv]. Leaves every node's
+    state and row in `cache.pending` for the acceptance. Returns the layer output [1, T, H]."""
+    from .mlxlm import gated_delta_update, normalize_qk
+
+    T, K = rows.shape[0], attn.conv_kernel_size
+    depth, anc = tree_ancestors(fwd)
+    held = cache[0][0] if cache[0] is not None else mx.zeros((K - 1, rows.shape[-1]), rows.dtype)
+    # each node's window, oldest first: ancestors K-1 .. 1 levels up (or cached rows), itself
+    picks = []
+    for up in range(K - 1, 0, -1):
+        in_tree = (K - 1) + ancestor_at(depth, anc, up)
+        picks.append(mx.where(depth >= up, in_tree, (K - 1) - (up - depth)))
+    picks.append((K - 1) + mx.arange(T))
+    windows = mx.concatenate([held, rows])[mx.stack(picks, axis=1)]   # [T, K, conv_dim]
+    conv = nn.silu(attn.conv1d(windows))                                 # [T, 1, conv_dim]
+    q, k, v = [t.reshape(T, 1, h, d) for t, h, d in zip(
+        mx.split(conv, [attn.key_dim, 2 * attn.key_dim], -1),
+        [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
+        [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim])]
+    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim ** -0.5, eps=1e-6)
+    start = cache[1] if cache[1] is not None else \
+        mx.zeros((1, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), mx.float32)
+    parent = mx.where(depth > 0, 1 + ancestor_at(depth, anc, 1), 0)   # 0: the cached state
+    states = mx.broadcast_to(start, (T, *start.shape[1:]))
+    for _ in range(fwd.depth_bound):
+        incoming = mx.concatenate([start, states])[parent]
+        out, states = gated_delta_update(q, k, v, a[:, None], b[:, None], attn.A_log,
+                                         attn.dt_bias, incoming)
+    cache.pending = (states, rows)
+    out = attn.norm(out, z[:, None])
+    return attn.out_proj(out.reshape(1, T, -1))
 
 
 class PositionedRoPE(nn.Module):
@@ -161,6 +248,12 @@ class Family:
         """Whether mlx-lm's own forward computes what the config says (plain decoding
         runs it then)."""
         return all(w is None for w in windows)
+
+    def mechanisms(self, shared_full) -> list:
+        """One mechanism per decoder layer (`shared_full`: the one of unwindowed,
+        unshared attention layers)."""
+        return [shared_full if w is None and s is None else AttentionMechanism(w, s)
+                for w, s in zip(self.windows(), self.sources())]
 
     def sources(self) -> List[Optional[int]]:
         return [None] * len(self.inner.layers)
@@ -291,11 +384,52 @@ class Gemma4Family(LayerCallFamily):
         return out if cap is None else mx.tanh(out / cap) * cap
 
 
+class HybridFamily(LayerCallFamily):
+    """Qwen3.5 / Qwen3.6 (dense and MoE) and Qwen3-Next: Gated DeltaNet layers with one
+    full-attention layer every `full_attention_interval`. The attention layers are mlx-lm's
+    own; a linear layer runs mlx-lm's module as it is outside a tree (prefill, plain
+    decoding), and `tree_gated_delta` over the projections of its module in a tree."""
+
+    def windows(self):
+        return [None] * len(self.inner.layers)
+
+    def mechanisms(self, shared_full):
+        return [LinearAttentionMechanism(layer.linear_attn.conv_kernel_size) if layer.is_linear
+                else shared_full for layer in self.inner.layers]
+
+    @staticmethod
+    def projections(attn, x):
+        """A linear layer's (conv rows [T, C], z [T, Hv, Dv], b, a [T, Hv]) for x [1, T, H],
+        as its mlx-lm module computes them (Qwen3.5: four projections; Qwen3-Next: two
+        fused ones, reordered)."""
+        T = x.shape[1]
+        if hasattr(attn, "in_proj_qkvz"):
+            q, k, v, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(x),
+                                                                 attn.in_proj_ba(x))
+            rows = mx.concatenate([q.reshape(1, T, -1), k.reshape(1, T, -1),
+                                   v.reshape(1, T, -1)], axis=-1)
+        else:
+            rows, z = attn.in_proj_qkv(x), attn.in_proj_z(x)
+            b, a = attn.in_proj_b(x), attn.in_proj_a(x)
+        return rows[0], z.reshape(T, attn.num_v_heads, attn.head_v_dim), b[0].reshape(T, -1), \
+            a[0].reshape(T, -1)
+
+    def layer(self, target, i, layer, h, cache, mask, fwd):
+        if not layer.is_linear or fwd.positions is None or cache is None:
+            return layer(h, mask, cache)
+        attn = layer.linear_attn
+        rows, z, b, a = self.projections(attn, layer.input_layernorm(h))
+        h = h + tree_gated_delta(attn, rows, z, b, a, cache, fwd)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 FAMILIES = {
     "llama": Family, "mistral": Family, "mixtral": Family, "qwen2": Family, "qwen3": Family,
     "qwen3_moe": Family, "gpt_oss": LayerCallFamily, "gemma3_text": Gemma3Family,
     "gemma3": Gemma3Family, "gemma4_text": Gemma4Family, "gemma4": Gemma4Family,
     "ministral3": Ministral3Family, "mistral3": Ministral3Family,
+    "qwen3_5": HybridFamily, "qwen3_5_moe": HybridFamily, "qwen3_next": HybridFamily,
+    "qwen3_5_text": HybridFamily, "qwen3_5_moe_text": HybridFamily,  # (transformers' text-only)
 }
 
 
@@ -331,6 +465,8 @@ def untruncated_yarn(family: Family) -> None:
     base = params.get("rope_theta", text.get("rope_theta", 10000.0))
     factor, length = params["factor"], params.get("original_max_position_embeddings", 4096)
     for layer in family.inner.layers:
+        if "self_attn" not in layer:  # (a linear-attention layer)
+            continue
         rope = layer.self_attn.rope
         rope = getattr(rope, "rope", rope)
         if not isinstance(rope, YarnRoPE):
@@ -356,6 +492,8 @@ def install_positions(family: Family, context: RopeContext) -> None:
     if not family.layer_calls:
         return
     for layer in family.inner.layers:
+        if "self_attn" not in layer:  # (a linear-attention layer)
+            continue
         attn = layer.self_attn
         if not isinstance(attn.rope, PositionedRoPE):
             attn.rope = PositionedRoPE(attn.rope, context)

@@ -10,6 +10,7 @@ import importlib
 
 # name -> the public mlx-lm module that defines it
 _NAMES = {
+    "ArraysCache": "mlx_lm.models.cache",
     "BatchKVCache": "mlx_lm.models.cache",
     "KVCache": "mlx_lm.models.cache",
     "make_prompt_cache": "mlx_lm.models.cache",
@@ -17,6 +18,8 @@ _NAMES = {
     "DynamicNTKScalingRoPE": "mlx_lm.models.rope_utils",
     "initialize_rope": "mlx_lm.models.rope_utils",
     "YarnRoPE": "mlx_lm.models.rope_utils",
+    "gated_delta_update": "mlx_lm.models.gated_delta",
+    "normalize_qk": "mlx_lm.models.gated_delta",
     "apply_min_p": "mlx_lm.sample_utils",
     "apply_top_k": "mlx_lm.sample_utils",
     "apply_top_p": "mlx_lm.sample_utils",

@@ -63,14 +63,13 @@ class Target:
         self.model_type = config["model_type"]
         self.max_context = int(text.get("max_position_embeddings")
                                or config.get("max_position_embeddings") or 4096)
-        attn = self.layers[0].self_attn
+        attn = getattr(self.layers[0], "self_attn", None)  # (the standard decoders' heads)
         self.n_heads = getattr(attn, "n_heads", None) or getattr(attn, "num_heads", None) \
             or getattr(attn, "num_attention_heads", None)
         self.n_kv_heads = getattr(attn, "n_kv_heads", None) \
             or getattr(attn, "num_key_value_heads", None)
         self.windows = self.family.windows()
-        self.mechanisms = [ATTENTION if w is None and s is None else AttentionMechanism(w, s)
-                           for w, s in zip(self.windows, self.family.sources())]
+        self.mechanisms = self.family.mechanisms(ATTENTION)
         self._rope = RopeContext()
         untruncated_yarn(self.family)
         install_positions(self.family, self._rope)
@@ -129,6 +128,7 @@ class Target:
         positions: Optional[mx.array] = None,
         mask=None,
         taps: Sequence[int] = (),
+        max_depth: Optional[int] = None,
     ) -> Tuple[mx.array, List[mx.array]]:
         """Run `tokens` [B, T] after what `cache` holds.
 
@@ -137,6 +137,8 @@ class Target:
               (default: causal). A tree passes its ancestor mask here; each
               sliding-window layer narrows it to its window.
         taps: decoder layers whose *input* hidden states to return (EAGLE-3).
+        max_depth: a bound on the tree's depth below the root (recurrent layers scan
+              that many levels; default T).
         Returns the final hidden state after the last RMSNorm [B, T, H] and the
         tapped states in the order of `taps`; logits are `lm_head(hidden)`.
         """
@@ -144,6 +146,7 @@ class Target:
         caches += [None] * (self.num_layers - len(caches))
         fwd = Forward(tokens.shape[1], caches[0].offset if caches[0] is not None else 0,
                       positions, mask)
+        fwd.max_depth = None if max_depth is None else max_depth + 1
         family, tapped = self.family, {}
         self._rope.positions = positions
         try:
@@ -206,6 +209,11 @@ def _config_overrides(config: dict, path: Path) -> dict:
         return {"text_config": {**config["text_config"], **_gemma4_overrides(config["text_config"])}}
     if kind in ("ministral3", "mistral3"):
         return {}  # mlx-lm reads their rope_parameters itself
+    if kind in HYBRID_TYPES:
+        if isinstance(config.get("text_config"), dict):
+            return {"text_config": {**config["text_config"],
+                                    **_hybrid_overrides(config["text_config"], path)}}
+        return _hybrid_overrides(config, path)
     overrides = _rope_overrides(config)
     if kind == "qwen3_moe" and "num_experts" not in config and "num_local_experts" in config:
         overrides["num_experts"] = config["num_local_experts"]
@@ -236,6 +244,36 @@ def _gemma3_overrides(text: dict, path: Path) -> dict:
     return out
 
 
+# transformers' text-only model types -> mlx-lm's modules (which read both layouts)
+HYBRID_TYPES = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_next": "qwen3_next",
+                "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def _hybrid_overrides(text: dict, path: Path) -> dict:
+    """Qwen3.5 / Qwen3-Next: transformers >= 5 writes `layer_types` (linear_attention /
+    full_attention) instead of `full_attention_interval`, and Qwen3-Next's RoPE settings in
+    `rope_parameters`; mlx-lm reads the interval and the classic keys."""
+    out = {"model_type": HYBRID_TYPES[text.get("model_type")]} \
+        if text.get("model_type") in ("qwen3_5_text", "qwen3_5_moe_text") else {}
+    types = text.get("layer_types")
+    if types and "full_attention_interval" not in text:
+        p = types.index("full_attention") + 1 if "full_attention" in types else 0
+        if not p or types != [("full_attention" if (i + 1) % p == 0 else "linear_attention")
+                              for i in range(len(types))]:
+            raise EagleError(f"{path / 'config.json'}: layer_types must repeat n-1 linear "
+                             "attention layers and one full-attention layer (mlx-lm builds only "
+                             "that pattern).")
+        out["full_attention_interval"] = p
+    params = text.get("rope_parameters")
+    if text.get("model_type") == "qwen3_next" and isinstance(params, dict) \
+            and "rope_theta" not in text:
+        out["rope_theta"] = params.get("rope_theta", 10000.0)
+        out["partial_rotary_factor"] = params.get("partial_rotary_factor", 0.25)
+        if params.get("rope_type", "default") != "default":
+            out["rope_scaling"] = params
+    return out
+
+
 def _gemma4_overrides(text: dict) -> dict:
     """Gemma 4: transformers >= 5 writes the full-attention layers' head size (and, with
     `attention_k_eq_v`, their key/value heads) in `per_layer_config`; mlx-lm reads
@@ -261,6 +299,12 @@ def _model_classes(config: dict):
     from .mlxlm import model_module
 
     module = model_module(config["model_type"])
+    if config["model_type"] == "qwen3_5_moe":
+        class MoeModel(module.Model):
+            def sanitize(self, weights):
+                return super().sanitize(stacked_experts(weights))
+
+        return MoeModel, module.ModelArgs
     if config["model_type"] != "gpt_oss":
         return module.Model, module.ModelArgs
 
@@ -269,6 +313,25 @@ def _model_classes(config: dict):
             return super().sanitize(gpt_oss_float_experts(weights))
 
     return Model, module.ModelArgs
+
+
+def stacked_experts(weights: dict) -> dict:
+    """transformers' per-expert MoE weights (`mlp.experts.<i>.<proj>.weight`, which it saves
+    for Qwen3.5-MoE) stacked as mlx-lm's `mlp.switch_mlp.<proj>.weight` [E, out, in]; the
+    fused layouts of the Hub's checkpoints pass through for mlx-lm's own `sanitize`."""
+    import re
+
+    pattern = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    groups, out = {}, {}
+    for k, v in weights.items():
+        m = pattern.match(k)
+        if m:
+            groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = v
+        else:
+            out[k] = v
+    for (prefix, proj), experts in groups.items():
+        out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([experts[i] for i in sorted(experts)])
+    return out
 
 
 def gpt_oss_float_experts(weights: dict) -> dict:

@@ -52,6 +52,12 @@ WINDOWED_TARGETS = {
                                        num_kv_shared_layers=2, final_logit_softcapping=30.0)),
 }
 TINY_TARGETS.update(WINDOWED_TARGETS)
+HYBRID_TARGETS = {
+    "qwen3_5": ("qwen3_5", dict(num_hidden_layers=4, num_key_value_heads=2)),
+    "qwen3_5_moe": ("qwen3_5_moe", dict(num_hidden_layers=4, num_key_value_heads=2)),
+    "qwen3_next": ("qwen3_next", dict(num_hidden_layers=4, num_key_value_heads=2)),
+}
+TINY_TARGETS.update(HYBRID_TARGETS)
 
 
 @pytest.fixture(autouse=True, scope="session")
