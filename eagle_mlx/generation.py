@@ -68,7 +68,25 @@ def tree_plan(model, total_tokens=None, depth=None, draft_top_k=None, tree_choic
     if tree_choices:
         tree = {"static": True, "total_tokens": len(tree_choices) + 1, "depth": max(map(len, tree_choices)),
                 "draft_top_k": tree["draft_top_k"]}
-    return tree
+    return bound_tree(model.target, tree, explicit=total_tokens is not None or bool(tree_choices))
+
+
+def bound_tree(target, tree: dict, explicit: bool) -> dict:
+    """A hybrid target's tree within the memory its nodes' recurrent states may take: a
+    tree asked for explicitly is refused beyond it, a default or tuned one is cut to it."""
+    limit = target.tree_node_limit()
+    if limit is None or tree["total_tokens"] <= limit:
+        return tree
+    per_node = target.node_state_bytes
+    from .target import TREE_STATE_FRACTION, machine_memory
+
+    _check(not explicit,
+           f"a tree of {tree['total_tokens']} nodes needs "
+           f"{tree['total_tokens'] * per_node / 2**30:.1f} GB of recurrent states on this "
+           f"{target.model_type} target ({per_node / 2**20:.1f} MB a node), over the bound of "
+           f"{machine_memory() / TREE_STATE_FRACTION / 2**30:.1f} GB (1/{TREE_STATE_FRACTION} of "
+           f"this machine's memory); use at most {limit} nodes (total_tokens).")
+    return dict(tree, total_tokens=limit)
 
 
 def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]]) -> List[int]:

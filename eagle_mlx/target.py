@@ -34,6 +34,22 @@ QUANTIZATION_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")  # what mx.dequantize
 ATTENTION = AttentionMechanism()
 
 
+TREE_STATE_FRACTION = 8  # a tree's recurrent states may take 1/8 of the machine's memory
+
+
+def machine_memory() -> int:
+    """Bytes of memory the device has (a GPU's working set where MLX reports one)."""
+    import os
+
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    size = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    return int(size or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def tree_state_budget() -> int:
+    return machine_memory() // TREE_STATE_FRACTION
+
+
 class TargetLM:
     """The target's own forward as an mlx-lm model (`model(inputs, cache=...)` -> logits),
     for plain decoding where mlx-lm's forward lacks what the config asks for."""
@@ -93,6 +109,26 @@ class Target:
         """What plain decoding runs: mlx-lm's own model where its forward computes what the
         config says, else the tree forward of this target (one token at a time)."""
         return self.model if self.family.mlx_lm_exact(self.windows) else TargetLM(self)
+
+    @property
+    def node_state_bytes(self) -> int:
+        """Bytes a tree node costs in recurrent state: every linear-attention layer keeps
+        each node's [heads, d_v, d_k] float32 state (and its projected row) until the
+        acceptance picks one. 0 for attention-only targets (a node's keys and values are
+        a few KB there)."""
+        total = 0
+        for m, layer in zip(self.mechanisms, self.layers):
+            if hasattr(m, "kernel"):
+                a = layer.linear_attn
+                total += a.num_v_heads * a.head_v_dim * a.head_k_dim * 4 + \
+                    a.conv_dim * self.dtype.size
+        return total
+
+    def tree_node_limit(self) -> Optional[int]:
+        """The most tree nodes whose recurrent states fit in TREE_STATE_FRACTION of this
+        machine's memory (None: no bound, attention-only)."""
+        per_node = self.node_state_bytes
+        return None if not per_node else max(2, tree_state_budget() // per_node)
 
     def make_cache(self) -> list:
         """One cache per layer that keeps one (KV-shared layers read another's)."""

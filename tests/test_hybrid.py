@@ -184,3 +184,45 @@ def test_prompt_cache_second_turn_equals_a_fresh_run(hybrid_pairs, speculate):
     edited = second[:6] + [3] + second[7:]
     assert run(edited) == hf_greedy(reference, edited, 12)
     assert pc.reused == 0
+
+
+def test_a_tree_beyond_the_state_memory_bound(hybrid_pairs, monkeypatch):
+    """Each node of a hybrid's tree keeps a recurrent state per linear layer: a tree asked
+    for beyond the bound is refused in one sentence naming it; the default tree is cut to
+    it (and still decodes as transformers)."""
+    import eagle_mlx.target as target_module
+    from eagle_mlx import EagleError
+
+    target_dir, head_dir = hybrid_pairs["qwen3_5-eagle1"]
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
+    tok.eos_token_ids = set()
+    per_node = model.target.node_state_bytes
+    attn = model.target.layers[0].linear_attn  # 2 linear layers of [4, 16, 16] float32 states
+    assert per_node == 2 * (4 * 16 * 16 * 4 + attn.conv_dim * 4)
+    monkeypatch.setattr(target_module, "machine_memory", lambda: 10 * per_node * 8)
+    assert model.target.tree_node_limit() == 10
+    with pytest.raises(EagleError) as e:
+        list(eagle_mlx.stream_generate(model, tok, [5, 6, 7], max_tokens=4, total_tokens=30,
+                                       depth=4, draft_top_k=4))
+    message = str(e.value)
+    assert "30 nodes" in message and "at most 10 nodes" in message and "\n" not in message
+    from eagle_mlx.generation import tree_plan
+
+    assert tree_plan(model)["total_tokens"] == 10  # the default tree, cut to the bound
+    prompt = [5, 6, 7, 9, 11]
+    runs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=12))
+    assert [t for r in runs for t in r.tokens] == hf_greedy(hf_model(target_dir), prompt, 12)
+
+
+@pytest.mark.long
+def test_sampling_on_a_hybrid_is_lossless(tmp_path):
+    """Qwen3.5 (a linear-attention layer, then full attention): the first three sampled
+    tokens have the distribution transformers' logits give, enumerated exactly."""
+    from test_windows import chi_square_against_transformers
+
+    target_dir = make_hf_model(tmp_path / "t", "qwen3_5", seed=3, vocab_size=8, hidden_size=32,
+                               intermediate_size=64, num_hidden_layers=2, scale=1.0,
+                               num_key_value_heads=2, layer_types=["linear_attention",
+                                                                   "full_attention"])
+    head_dir = make_eagle_head(tmp_path / "h", target_dir, "eagle1", seed=4)
+    assert chi_square_against_transformers(target_dir, head_dir, [1, 4, 6, 2]) > 1e-3
