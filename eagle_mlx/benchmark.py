@@ -121,6 +121,16 @@ def _median_time(fn, reps):
     return statistics.median(times)
 
 
+def heap_tree(k: int):
+    """A k-node tree shaped like a drafted one (node i under node (i-1)//2: depth about
+    log2 k, 5 at 60 nodes): its ancestor-or-self mask [k, k] and depths [k]."""
+    parents = np.maximum((np.arange(k) - 1) // 2, 0)
+    anc = np.eye(k, dtype=bool)
+    for i in range(1, k):
+        anc[i] |= anc[parents[i]]
+    return mx.array(anc), mx.array(anc.sum(1) - 1)
+
+
 def cost_curves(model, prefix_len, sizes, reps=5):
     """Seconds for one target forward over k tree tokens after `prefix_len` cached tokens,
     and for one head step over k frontier nodes."""
@@ -133,12 +143,13 @@ def cost_curves(model, prefix_len, sizes, reps=5):
     verify, draft = {}, {}
     for k in sizes:
         toks = mx.arange(3, 3 + k)[None] % target.vocab_size
-        mask = mx.concatenate([mx.ones((k, prefix_len), dtype=mx.bool_),
-                               mx.tril(mx.ones((k, k), dtype=mx.bool_))], axis=1)
-        positions = prefix_len + mx.arange(k)
+        anc, depth = heap_tree(k)
+        mask = mx.concatenate([mx.ones((k, prefix_len), dtype=mx.bool_), anc], axis=1)
+        positions, levels = prefix_len + depth, int(depth.max().item())
 
         def run_target():
-            h, tapped = target(toks, cache, positions=positions, mask=mask, taps=taps)
+            h, tapped = target(toks, cache, positions=positions, mask=mask, taps=taps,
+                               max_depth=levels)
             mx.eval(target.lm_head(h), *tapped)
             for c in cache:
                 c.truncate(prefix_len)
@@ -476,6 +487,26 @@ def write(report, output, plot_path, args, model) -> None:
         print(f"saved the choice to {dest}")
 
 
+CHAIN = {"total_tokens": 5, "depth": 4, "draft_top_k": 1}  # four drafts, one child each
+
+
+def hybrid_trees(target, trees, default: bool) -> list:
+    """A hybrid target's candidates: within the bound of its nodes' recurrent states, and
+    (with the default candidates) a chain beside the trees, since a node costs a state in
+    every linear layer there."""
+    limit = target.tree_node_limit()
+    if limit is None:
+        return trees
+    kept = [t for t in trees if t["total_tokens"] <= limit]
+    if not kept and not default:
+        raise UsageError(f"every --trees candidate exceeds the {limit} nodes whose recurrent "
+                         f"states fit this machine's bound ({target.node_state_bytes / 2**20:.1f} "
+                         "MB a node).")
+    if default and CHAIN not in kept:
+        kept.append(dict(CHAIN))
+    return kept
+
+
 def _main(argv):
     args = build_parser().parse_args(argv)
     trees = check_args(args)
@@ -503,6 +534,7 @@ def _main(argv):
         raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the "
                          f"model's context of {model.target.max_context} tokens.")
     encoded = [(src, ids[-limit:]) for src, ids in encoded]  # keep long prompts in context
+    trees = hybrid_trees(model.target, trees, args.trees == DEFAULT_TREES)
 
     # measure: the cost curves, then every prompt at every temperature
     print(f"{len(encoded)} prompts, {len(trees)} trees, temperatures {args.temps}", file=sys.stderr)

@@ -53,10 +53,11 @@ def shard(model, config: dict, g: mx.distributed.Group, path) -> None:
     if not hasattr(model, "shard"):
         raise EagleError(f"mlx-lm cannot shard {config.get('model_type')} models ({path}) "
                          "across machines; it shards Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, "
-                         "gpt-oss and Ministral 3.")
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    inter = config.get("intermediate_size") or 0
+                         "gpt-oss, Ministral 3 and Qwen3.5 (dense and MoE).")
+    text = config.get("text_config") or config  # (a multimodal checkpoint's language model)
+    heads = text["num_attention_heads"]
+    kv = text.get("num_key_value_heads") or heads
+    inter = text.get("intermediate_size") or 0
     for what, v in (("attention heads", heads), ("key/value heads", kv),
                     ("MLP columns", inter)):
         if v % n:
