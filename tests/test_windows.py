@@ -329,11 +329,12 @@ def test_mxfp4_experts_load_and_dequantize_exactly(tiny_dir, tmp_path):
     np.testing.assert_allclose(a, b, atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("name,wrapper", [("gemma3_swa", "gemma3"), ("ministral3_swa", "mistral3")])
+@pytest.mark.parametrize("name,wrapper", [("gemma3_swa", "gemma3"), ("ministral3_swa", "mistral3"),
+                                          ("qwen3_5", "qwen3_5")])
 def test_a_multimodal_checkpoint_runs_its_language_model(tiny_dir, tmp_path, name, wrapper):
-    """A Gemma 3 / Mistral 3 checkpoint (text_config, weights under the language model's
-    prefix, a vision tower beside it) is its language model: logits and greedy decoding equal
-    transformers' text model."""
+    """A Gemma 3 / Mistral 3 / Qwen3.5 checkpoint (text_config, weights under the language
+    model's prefix, a vision tower beside it) is its language model: logits and greedy
+    decoding equal transformers' text model."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
