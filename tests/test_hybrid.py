@@ -66,10 +66,17 @@ def test_tree_forward_equals_path_by_path_and_keeps_the_accepted_state(tiny_dir,
         target(mx.array([prompt]), cache)
         depth = int(anc.sum(1).max()) - 1
         logits = _tree_forward(target, cache, tokens, anc, max_depth=depth if trial else None)
+        linear = [c for c in cache if hasattr(c, "pending")]
         for i in range(len(tokens)):
             path = [tokens[j] for j in np.nonzero(anc[i])[0]]
             np.testing.assert_allclose(logits[i], hf_logits(model, prompt + path)[-1], atol=1e-4,
                                        rtol=0)
+            if i % 4 == 0:  # the state node i would leave = the state of feeding its path alone
+                alone = target.make_cache()
+                target(mx.array([prompt + path]), alone)
+                for c, a in zip(linear, [a for a in alone if hasattr(a, "pending")]):
+                    np.testing.assert_allclose(np.array(c.pending[0][i]), np.array(a[1][0]),
+                                               atol=1e-5, rtol=0)
         leaf = int(rng.integers(0, len(tokens)))
         kept = np.nonzero(anc[leaf])[0]
         n = len(prompt)
