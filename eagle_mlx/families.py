@@ -56,7 +56,21 @@ class Forward:
         return mx.arange(self.n, self.n + self.T)
 
 
-class AttentionMechanism:
+class Mechanism:
+    """What a layer's cache does after a verify and when a prompt cache is cut back (each
+    cache class knows how: `keep`, `reusable`, `truncate`)."""
+
+    def accept(self, cache, start: int, rows: mx.array) -> None:
+        cache.keep(start, rows)
+
+    def reusable(self, cache, length: int) -> bool:
+        return cache.reusable(length)
+
+    def truncate(self, cache, length: int) -> None:
+        cache.truncate(length)
+
+
+class AttentionMechanism(Mechanism):
     """The layer mechanism of an attention layer: its cache, its mask in a forward, and
     what its cache does after acceptance (keep the accepted rows) or when cut back.
 
@@ -96,17 +110,8 @@ class AttentionMechanism:
         fwd.masks[self.window] = mask
         return mask
 
-    def accept(self, cache, start: int, rows: mx.array) -> None:
-        cache.keep(start, rows)
 
-    def reusable(self, cache, length: int) -> bool:
-        return cache.reusable(length)
-
-    def truncate(self, cache, length: int) -> None:
-        cache.truncate(length)
-
-
-class LinearAttentionMechanism:
+class LinearAttentionMechanism(Mechanism):
     """The layer mechanism of a Gated DeltaNet (linear-attention) layer: its cache is a
     recurrent state and a convolution window (`RecurrentCache`), it needs no mask, and
     after a tree verify it keeps the accepted node's state and window."""
@@ -121,15 +126,6 @@ class LinearAttentionMechanism:
 
     def mask(self, fwd: Forward, cache):
         return None
-
-    def accept(self, cache, start: int, rows: mx.array) -> None:
-        cache.keep(start, rows)
-
-    def reusable(self, cache, length: int) -> bool:
-        return cache.reusable(length)
-
-    def truncate(self, cache, length: int) -> None:
-        cache.truncate(length)
 
 
 def tree_ancestors(fwd: Forward):

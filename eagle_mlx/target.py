@@ -270,14 +270,20 @@ def _gemma3_overrides(text: dict, path: Path) -> dict:
             out["rope_scaling"] = full
     types = text.get("layer_types")
     if types and "sliding_window_pattern" not in text:
-        p = types.index("full_attention") + 1 if "full_attention" in types else 0
-        if not p or types != [("full_attention" if (i + 1) % p == 0 else "sliding_attention")
-                              for i in range(len(types))]:
-            raise EagleError(f"{path / 'config.json'}: Gemma 3 layer_types must repeat n-1 "
-                             "sliding layers and one full-attention layer (mlx-lm builds only "
-                             "that pattern).")
-        out["sliding_window_pattern"] = p
+        out["sliding_window_pattern"] = _period(types, "sliding_attention", "Gemma 3", path)
     return out
+
+
+def _period(types: list, other: str, family: str, path: Path) -> int:
+    """p where `layer_types` repeats p-1 `other` layers and one full-attention layer (the only
+    pattern mlx-lm builds), refused in one sentence otherwise."""
+    p = types.index("full_attention") + 1 if "full_attention" in types else 0
+    if not p or types != [("full_attention" if (i + 1) % p == 0 else other)
+                          for i in range(len(types))]:
+        raise EagleError(f"{path / 'config.json'}: {family} layer_types must repeat n-1 "
+                         f"{other.replace('_', ' ')} layers and one full-attention layer (mlx-lm "
+                         "builds only that pattern).")
+    return p
 
 
 # transformers' text-only model types -> mlx-lm's modules (which read both layouts)
@@ -293,13 +299,8 @@ def _hybrid_overrides(text: dict, path: Path) -> dict:
         if text.get("model_type") in ("qwen3_5_text", "qwen3_5_moe_text") else {}
     types = text.get("layer_types")
     if types and "full_attention_interval" not in text:
-        p = types.index("full_attention") + 1 if "full_attention" in types else 0
-        if not p or types != [("full_attention" if (i + 1) % p == 0 else "linear_attention")
-                              for i in range(len(types))]:
-            raise EagleError(f"{path / 'config.json'}: layer_types must repeat n-1 linear "
-                             "attention layers and one full-attention layer (mlx-lm builds only "
-                             "that pattern).")
-        out["full_attention_interval"] = p
+        out["full_attention_interval"] = _period(types, "linear_attention", "Qwen3.5 / Qwen3-Next",
+                                                 path)
     params = text.get("rope_parameters")
     if text.get("model_type") == "qwen3_next" and isinstance(params, dict) \
             and "rope_theta" not in text:

@@ -96,6 +96,41 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
             "lm_head.weight": "output.weight"}[hf_name]
 
 
+def _header(path: Path, cfg: dict, arch: str):
+    """A GGUFWriter with the metadata every architecture's file has, from a HF config."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny test {arch}")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma: per layer kind, the global one here
+    w.add_rope_freq_base(cfg.get("rope_theta") or rope["rope_theta"])
+    if arch != "llama":
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_vocab_size(cfg["vocab_size"])
+    return w
+
+
+def _gpt2_vocab(w, gpt2_vocab, pre: str) -> None:
+    tokens, merges, _ = gpt2_vocab
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+
+
 def write_gguf(path: Path, hf_folder: Path, vocab: str, types=None, default="F32",
                spm_processor=None, gpt2_vocab=None, pre="gpt2", add_bos=None, arch="llama",
                raw=None):
@@ -113,35 +148,13 @@ def write_gguf(path: Path, hf_folder: Path, vocab: str, types=None, default="F32
     cfg = json.loads((hf_folder / "config.json").read_text())
     state = load_file(str(hf_folder / "model.safetensors"))
     T = gguf.GGMLQuantizationType
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny test {arch}")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    rope = cfg.get("rope_parameters") or {}
-    rope = rope.get("full_attention", rope)  # Gemma: per layer kind, the global one here
-    w.add_rope_freq_base(cfg.get("rope_theta") or rope["rope_theta"])
+    w = _header(path, cfg, arch)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     if arch == "gemma3":
         w.add_sliding_window(cfg["sliding_window"])
-    if arch != "llama":
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_vocab_size(cfg["vocab_size"])
     if vocab == "gpt2":
-        tokens, merges, _ = gpt2_vocab
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(pre)
-        w.add_token_list(tokens)
-        w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-        w.add_token_merges(merges)
-        w.add_bos_token_id(0)
-        w.add_eos_token_id(2)
+        _gpt2_vocab(w, gpt2_vocab, pre)
         w.add_add_bos_token(bool(add_bos))
     elif vocab == "llama":
         sp = spm_processor
@@ -214,35 +227,16 @@ def write_gpt_oss_gguf(path: Path, hf_folder: Path, gpt2_vocab):
     cfg = json.loads((hf_folder / "config.json").read_text())
     state = load_file(str(hf_folder / "model.safetensors"))
     T = gguf.GGMLQuantizationType
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
-    w.add_name("tiny test gpt-oss")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    w = _header(path, cfg, "gpt-oss")
     w.add_expert_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg["rope_parameters"]
-    w.add_rope_freq_base(rope["rope_theta"])
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     w.add_expert_count(cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_sliding_window(cfg["sliding_window"])
-    w.add_vocab_size(cfg["vocab_size"])
-    tokens, merges, _ = gpt2_vocab
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
+    _gpt2_vocab(w, gpt2_vocab, "gpt2")
     names = {"input_layernorm.weight": "attn_norm.weight",
              "post_attention_layernorm.weight": "post_attention_norm.weight",
              "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",

@@ -123,20 +123,9 @@ TREES = [dict(total_tokens=8, depth=2, draft_top_k=2), dict(total_tokens=30, dep
 @pytest.mark.long
 @pytest.mark.parametrize("pair", [n + "-eagle1" for n in NAMES] + ["qwen3_5-eagle3"])
 def test_greedy_eagle_equals_transformers_greedy(hybrid_pairs, pair):
-    target_dir, head_dir = hybrid_pairs[pair]
-    model, tok = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
-    tok.eos_token_ids = set()
-    reference = hf_model(target_dir)
-    rng = np.random.default_rng(7)
-    for tree in TREES:
-        prompt = rng.integers(3, 64, int(rng.integers(5, 25))).tolist()
-        expected = hf_greedy(reference, prompt, 32)
-        plain = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=32,
-                                                      speculate=False) for t in r.tokens]
-        assert plain == expected, (pair, "plain")
-        out = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=32, **tree)
-               for t in r.tokens]
-        assert out == expected, (pair, tree)
+    from test_windows import greedy_against_transformers
+
+    greedy_against_transformers(*hybrid_pairs[pair], TREES, prompt_lengths=(5, 25), n=32)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -144,23 +133,9 @@ def test_long_accepted_paths_keep_exact_states(tiny_dir, name):
     """Trees whose right branch runs up to 5 tokens deep (a drafter that knows transformers'
     continuation): the recurrent states and windows the accepted nodes leave carry the
     decoding on exactly."""
-    from eagle_mlx.speculative import SamplingParams, speculative_steps
-    from test_windows import _ForeknowingDrafter
+    from test_windows import foreknown_decoding
 
-    folder = tiny_dir(name)
-    target, _ = load_target(str(folder))
-    prompt = np.random.default_rng(5).integers(3, target.vocab_size, 13).tolist()
-    expected = hf_greedy(hf_model(folder), prompt, 40)
-    drafter = _ForeknowingDrafter(prompt + expected, 6, target.vocab_size, seed=2)
-    out, accepted = [], []
-    for step in speculative_steps(target, drafter, prompt, SamplingParams(temp=0.0)):
-        out += step.tokens
-        if step.accept_length is not None:
-            accepted.append(step.accept_length)
-        if len(out) >= 40:
-            break
-    assert out[:40] == expected
-    assert max(accepted) == 5 and np.mean(accepted) > 1.5, accepted
+    foreknown_decoding(tiny_dir(name), prompt_len=13, n=40, seed=2)
 
 
 @pytest.mark.parametrize("speculate", [True, False], ids=["eagle", "plain"])

@@ -141,20 +141,24 @@ TREES = [dict(total_tokens=8, depth=2, draft_top_k=2), dict(total_tokens=30, dep
 @pytest.mark.parametrize("pair", [n + "-eagle1" for n in NAMES] + ["gemma3_swa-eagle3",
                                                                    "gpt_oss_swa-eagle3"])
 def test_greedy_eagle_equals_transformers_greedy(windowed_pairs, pair):
-    target_dir, head_dir = windowed_pairs[pair]
+    greedy_against_transformers(*windowed_pairs[pair], TREES, prompt_lengths=(20, 41), n=40)
+
+
+def greedy_against_transformers(target_dir, head_dir, trees, prompt_lengths, n) -> None:
+    """Plain and EAGLE greedy decoding (one random prompt a tree) equal transformers'."""
     model, tok = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
     tok.eos_token_ids = set()
     reference = hf_model(target_dir)
     rng = np.random.default_rng(7)
-    for tree in TREES:
-        prompt = rng.integers(3, 64, int(rng.integers(20, 41))).tolist()
-        expected = hf_greedy(reference, prompt, 40)
-        plain = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40,
+    for tree in trees:
+        prompt = rng.integers(3, 64, int(rng.integers(*prompt_lengths))).tolist()
+        expected = hf_greedy(reference, prompt, n)
+        plain = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=n,
                                                       speculate=False) for t in r.tokens]
-        assert plain == expected, (pair, "plain")
-        out = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40, **tree)
+        assert plain == expected, (target_dir, "plain")
+        out = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=n, **tree)
                for t in r.tokens]
-        assert out == expected, (pair, tree)
+        assert out == expected, (target_dir, tree)
 
 
 @pytest.mark.parametrize("speculate", [True, False], ids=["eagle", "plain"])
@@ -411,21 +415,26 @@ class _ForeknowingDrafter:
 def test_long_accepted_paths_cross_the_windows_exactly(tiny_dir, name):
     """Trees whose right branch runs up to 5 tokens deep (windows of 8): every cycle keeps
     its accepted path in every window cache, and the output is transformers' greedy output."""
+    foreknown_decoding(tiny_dir(name), prompt_len=21, n=48, seed=1)
+
+
+def foreknown_decoding(folder, prompt_len: int, n: int, seed: int) -> None:
+    """Greedy speculative decoding with `_ForeknowingDrafter` (trees up to 6 levels) equals
+    transformers' greedy output, and cycles accepted 5-token paths."""
     from eagle_mlx.speculative import speculative_steps
 
-    folder = tiny_dir(name)
     target, _ = load_target(str(folder))
-    prompt = np.random.default_rng(5).integers(3, target.vocab_size, 21).tolist()
-    expected = hf_greedy(hf_model(folder), prompt, 48)
-    drafter = _ForeknowingDrafter(prompt + expected, 6, target.vocab_size, seed=1)
+    prompt = np.random.default_rng(5).integers(3, target.vocab_size, prompt_len).tolist()
+    expected = hf_greedy(hf_model(folder), prompt, n)
+    drafter = _ForeknowingDrafter(prompt + expected, 6, target.vocab_size, seed=seed)
     out, accepted = [], []
     for step in speculative_steps(target, drafter, prompt, SamplingParams(temp=0.0)):
         out += step.tokens
         if step.accept_length is not None:
             accepted.append(step.accept_length)
-        if len(out) >= 48:
+        if len(out) >= n:
             break
-    assert out[:48] == expected
+    assert out[:n] == expected
     assert max(accepted) == 5 and np.mean(accepted) > 1.5, accepted
 
 
