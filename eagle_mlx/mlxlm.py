@@ -50,9 +50,14 @@ def __getattr__(name):
     return value
 
 
+# transformers' text-only model types whose configs mlx-lm's multimodal modules read
+TEXT_ONLY_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
 def model_module(model_type: str):
     """mlx-lm's module for a model type (`mlx_lm.models.<type>`: its Model and ModelArgs),
-    through mlx-lm's own remapping (mistral is its llama module)."""
+    through mlx-lm's own remapping (mistral is its llama module) and TEXT_ONLY_TYPES."""
+    model_type = TEXT_ONLY_TYPES.get(model_type, model_type)
     model_type = __getattr__("MODEL_REMAPPING").get(model_type, model_type)
     return importlib.import_module(f"mlx_lm.models.{model_type}")
 

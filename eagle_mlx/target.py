@@ -286,17 +286,17 @@ def _period(types: list, other: str, family: str, path: Path) -> int:
     return p
 
 
-# transformers' text-only model types -> mlx-lm's modules (which read both layouts)
-HYBRID_TYPES = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_next": "qwen3_next",
-                "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def _hybrid_overrides(text: dict, path: Path) -> dict:
     """Qwen3.5 / Qwen3-Next: transformers >= 5 writes `layer_types` (linear_attention /
     full_attention) instead of `full_attention_interval`, and Qwen3-Next's RoPE settings in
     `rope_parameters`; mlx-lm reads the interval and the classic keys."""
-    out = {"model_type": HYBRID_TYPES[text.get("model_type")]} \
-        if text.get("model_type") in ("qwen3_5_text", "qwen3_5_moe_text") else {}
+    from .mlxlm import TEXT_ONLY_TYPES
+
+    kind = text.get("model_type")
+    out = {"model_type": TEXT_ONLY_TYPES[kind]} if kind in TEXT_ONLY_TYPES else {}
     types = text.get("layer_types")
     if types and "full_attention_interval" not in text:
         out["full_attention_interval"] = _period(types, "linear_attention", "Qwen3.5 / Qwen3-Next",
