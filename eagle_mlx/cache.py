@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from .mlxlm import ArraysCache, KVCache, create_causal_mask
 
+
 class TreeKVCache(KVCache):
     """mlx-lm's pre-allocated KV cache (grown in steps of 256 slots) plus `keep`, the one
     thing a tree needs that mlx-lm lacks (its `trim` drops a tail; a tree keeps a path).
@@ -51,8 +52,8 @@ class WindowKVCache(TreeKVCache):
     positions no new token can see are dropped: the kept ones are copied to the front of a
     buffer sized for them, the update and `room` (= window) more slots, so the copy (window
     slots) is paid once per ~window tokens, and the buffer holds at most about twice the
-    window besides a prefill chunk or a tree. Between such copies the buffer also holds positions
-    older than the window; the band mask (`make_mask`, `band`) hides them.
+    window besides a prefill chunk or a tree. Between such copies the buffer also holds
+    positions older than the window; the band mask (`make_mask`, `band`) hides them.
     """
 
     def __init__(self, window: int):
@@ -61,16 +62,17 @@ class WindowKVCache(TreeKVCache):
         self.room = window  # slots beyond what an update needs: a copy per ~window tokens
         self.base = 0
 
+    def _fits(self, n: int) -> bool:
+        return self.keys is not None and self.offset - self.base + n <= self.keys.shape[2]
+
     def base_after(self, n: int) -> int:
         """The position of slot 0 once `n` new positions are appended."""
-        if self.keys is None or self.offset - self.base + n <= self.keys.shape[2]:
-            return self.base
-        return max(self.base, self.offset - self.window + 1)
+        return self.base if self._fits(n) else max(self.base, self.offset - self.window + 1)
 
     def update_and_fetch(self, keys, values):
         n = keys.shape[2]
-        base = self.base_after(n)
-        if self.keys is None or self.offset - self.base + n > self.keys.shape[2]:
+        if not self._fits(n):
+            base = self.base_after(n)
             held = self.offset - base
             size = held + n + self.room
             k = mx.zeros((*keys.shape[:2], size, keys.shape[3]), keys.dtype)
@@ -145,14 +147,20 @@ class RecurrentCache(ArraysCache):
         super().advance(n)
         self.offset += n
 
+    def window(self, width: int, dtype) -> mx.array:
+        """The projected rows the next position's convolution sees before its own [K-1,
+        width] (zeros before the first position, as mlx-lm's layer starts)."""
+        if self[0] is not None:
+            return self[0][0]
+        return mx.zeros((self.conv_rows, width), dtype)
+
     def keep(self, start: int, rows: mx.array) -> None:
         states, projected = self.pending
         path = rows - start
         self[1] = states[path[-1:]]
-        held = self[0][0] if self[0] is not None else \
-            mx.zeros((0, projected.shape[-1]), projected.dtype)
-        window = mx.concatenate([held, projected[path]])
-        self[0] = window[-(self.conv_rows):][None]
+        window = mx.concatenate([self.window(projected.shape[-1], projected.dtype),
+                                 projected[path]])
+        self[0] = window[-self.conv_rows:][None]
         self.offset = start + rows.shape[0]
         self.pending = None
 

@@ -40,14 +40,14 @@ class Forward:
         self.positions = positions           # None: n .. n+T-1
         self.mask = mask                     # None/"causal" or bool [T, n + T]
         self.masks = {}                      # window (None: full) -> this forward's mask
-        self.kv = {}                         # layer -> (keys, values, offset) it computed
+        self.kv = {}                         # layer -> ((keys, values), offset) it computed
         self.extra = None                    # the family's per-forward inputs
-        self.max_depth = None                # a bound on the tree's depth, where known
+        self.max_depth = T - 1               # levels below the root a tree may have
 
     @property
-    def depth_bound(self) -> int:
-        """Levels below the root a tree may have (rounds of a recurrent layer's scan)."""
-        return self.T if self.max_depth is None else self.max_depth
+    def rounds(self) -> int:
+        """Rounds of a recurrent layer's scan: one a level, the root's included."""
+        return self.max_depth + 1
 
     @property
     def queries(self) -> mx.array:
@@ -148,7 +148,7 @@ def tree_gated_delta(attn, rows: mx.array, z, b, a, cache, fwd: Forward) -> mx.a
     its own ancestors' projected rows (then the cached window's), its recurrent state its
     parent's (the cached state for the root). The recurrence runs in rounds over all nodes
     at once (batch T, one step): after round r every node less than r+1 deep has its
-    state, so `fwd.depth_bound` rounds finish the deepest. No Python loop over nodes.
+    state, so `fwd.rounds` rounds finish the deepest. No Python loop over nodes.
 
     rows: [T, conv_dim] projected rows; z [T, Hv, Dv]; b, a [T, Hv]. Leaves every node's
     state and row in `cache.pending` for the acceptance. Returns the layer output [1, T, H]."""
@@ -156,7 +156,7 @@ def tree_gated_delta(attn, rows: mx.array, z, b, a, cache, fwd: Forward) -> mx.a
 
     T, K = rows.shape[0], attn.conv_kernel_size
     depth, anc = tree_ancestors(fwd)
-    held = cache[0][0] if cache[0] is not None else mx.zeros((K - 1, rows.shape[-1]), rows.dtype)
+    held = cache.window(rows.shape[-1], rows.dtype)
     # each node's window, oldest first: ancestors K-1 .. 1 levels up (or cached rows), itself
     picks = []
     for up in range(K - 1, 0, -1):
@@ -174,7 +174,7 @@ def tree_gated_delta(attn, rows: mx.array, z, b, a, cache, fwd: Forward) -> mx.a
         mx.zeros((1, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), mx.float32)
     parent = mx.where(depth > 0, 1 + ancestor_at(depth, anc, 1), 0)   # 0: the cached state
     states = mx.broadcast_to(start, (T, *start.shape[1:]))
-    for _ in range(fwd.depth_bound):
+    for _ in range(fwd.rounds):
         incoming = mx.concatenate([start, states])[parent]
         out, states = gated_delta_update(q, k, v, a[:, None], b[:, None], attn.A_log,
                                          attn.dt_bias, incoming)
@@ -220,9 +220,15 @@ class Family:
     def text_config(self) -> dict:
         return self.config.get("text_config") or self.config
 
+    @property
+    def softcap(self) -> Optional[float]:
+        """The final logit soft-cap (tanh(logits / cap) * cap), where the model has one."""
+        return None
+
     def windows(self) -> List[Optional[int]]:
-        """Each layer's window (None: full attention), as transformers computes it."""
-        c, L = self.config, len(self.inner.layers)
+        """Each layer's window (None: full attention), as transformers computes it (for a
+        mistral3 checkpoint: its Llama-shaped language model's)."""
+        c, L = self.text_config(), len(self.inner.layers)
         kind = c.get("model_type")
         if kind in ("mistral", "mixtral"):
             return [c.get("sliding_window")] * L
@@ -269,9 +275,9 @@ class Family:
         return h + ffn(layer.post_attention_layernorm(h))
 
     def logits(self, hidden: mx.array) -> mx.array:
-        if hasattr(self.lm, "lm_head"):
-            return self.lm.lm_head(hidden)
-        return self.inner.embed_tokens.as_linear(hidden)
+        out = self.lm.lm_head(hidden) if hasattr(self.lm, "lm_head") else \
+            self.inner.embed_tokens.as_linear(hidden)
+        return out if self.softcap is None else mx.tanh(out / self.softcap) * self.softcap
 
 
 def _layer_type_windows(types, window) -> List[Optional[int]]:
@@ -311,11 +317,7 @@ class Gemma3Family(LayerCallFamily):
 
     @property
     def softcap(self):
-        return self.text_config().get("final_logit_softcapping")
-
-    def logits(self, hidden):
-        out = super().logits(hidden)  # transformers: tanh(logits / cap) * cap where set
-        return out if self.softcap is None else mx.tanh(out / self.softcap) * self.softcap
+        return self.text_config().get("final_logit_softcapping")  # (as transformers)
 
     def embed(self, target, tokens, fwd):
         h = self.inner.embed_tokens(tokens)
@@ -374,10 +376,9 @@ class Gemma4Family(LayerCallFamily):
         fwd.kv[i] = (kvs, offset)
         return h
 
-    def logits(self, hidden):
-        out = super().logits(hidden)
-        cap = self.lm.final_logit_softcapping
-        return out if cap is None else mx.tanh(out / cap) * cap
+    @property
+    def softcap(self):
+        return self.lm.final_logit_softcapping
 
 
 class HybridFamily(LayerCallFamily):
@@ -433,15 +434,14 @@ def family_of(model: nn.Module, config: dict) -> Family:
     kind = config["model_type"]
     if kind == "mistral3":  # its language model: Ministral 3, or a Llama-shaped Mistral
         kind = (config.get("text_config") or {}).get("model_type", "llama")
-        return (Ministral3Family if kind == "ministral3" else MistralFamily)(model, config)
+        return (Ministral3Family if kind == "ministral3" else Family)(model, config)
     return FAMILIES[kind](model, config)
 
 
-class MistralFamily(Family):
-    """The Llama-shaped language model of a mistral3 checkpoint: Mistral's window rule."""
-
-    def windows(self):
-        return [self.text_config().get("sliding_window")] * len(self.inner.layers)
+def attention_modules(family: Family):
+    """The self-attention module of every layer that has one (not the linear-attention
+    layers of a hybrid)."""
+    return [layer.self_attn for layer in family.inner.layers if "self_attn" in layer]
 
 
 def untruncated_yarn(family: Family) -> None:
@@ -460,11 +460,8 @@ def untruncated_yarn(family: Family) -> None:
 
     base = params.get("rope_theta", text.get("rope_theta", 10000.0))
     factor, length = params["factor"], params.get("original_max_position_embeddings", 4096)
-    for layer in family.inner.layers:
-        if "self_attn" not in layer:  # (a linear-attention layer)
-            continue
-        rope = layer.self_attn.rope
-        rope = getattr(rope, "rope", rope)
+    for attn in attention_modules(family):
+        rope = getattr(attn.rope, "rope", attn.rope)
         if not isinstance(rope, YarnRoPE):
             continue
         dims = rope.dims
@@ -487,9 +484,6 @@ def install_positions(family: Family, context: RopeContext) -> None:
     through `PositionedRoPE` (mlx-lm's module stays inside it, unchanged)."""
     if not family.layer_calls:
         return
-    for layer in family.inner.layers:
-        if "self_attn" not in layer:  # (a linear-attention layer)
-            continue
-        attn = layer.self_attn
+    for attn in attention_modules(family):
         if not isinstance(attn.rope, PositionedRoPE):
             attn.rope = PositionedRoPE(attn.rope, context)

@@ -289,6 +289,7 @@ _GPT_OSS_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layerno
                   "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
                   "attn_sinks": "self_attn.sinks"}
 _ARCH_NAMES = {"gemma3": _GEMMA3_NAMES, "gpt-oss": _GPT_OSS_NAMES}
+_BARE = ("attn_sinks",)  # tensors that are parameters of their own, not a layer's weight
 
 
 def mlx_name(name: str, arch: str = "llama") -> Optional[str]:
@@ -302,9 +303,8 @@ def mlx_name(name: str, arch: str = "llama") -> Optional[str]:
     names = _ARCH_NAMES.get(arch, _LAYER_NAMES)
     m = re.match(r"^blk\.(\d+)\.(\w+)$", base)
     if m and m.group(2) in names:
-        if m.group(2) == "attn_sinks":  # a parameter of its own, not a layer's weight
-            return f"model.layers.{m.group(1)}.self_attn.sinks"
-        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{part}"
+        name = f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+        return name if m.group(2) in _BARE else f"{name}.{part}"
     return None
 
 
@@ -474,11 +474,11 @@ def read_tensor(data: np.ndarray, t: TensorInfo, requantize: bool = True):
     return value.view(mx.bfloat16) if t.type_name == "BF16" else value
 
 
-def load_weights(path: Path, infos: List[TensorInfo], config: dict, requantize: bool = True):
+def load_weights(path: Path, infos: List[TensorInfo], config: dict, arch: str,
+                 requantize: bool = True):
     """mlx-lm named weights (quantized triples for the types kept quantized), and
-    llama.cpp's RoPE frequency factors where the file has them (else None)."""
-    arch = {"gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}.get(config["model_type"],
-                                                             config["model_type"])
+    llama.cpp's RoPE frequency factors where the file has them (else None). arch: the
+    file's `general.architecture` (its tensor names)."""
     for t in infos:
         if t.type_name not in SUPPORTED_TYPES and (mlx_name(t.name, arch) or
                                                    t.name == "rope_freqs.weight"):
@@ -507,7 +507,7 @@ def load_weights(path: Path, infos: List[TensorInfo], config: dict, requantize: 
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     # llama.cpp's converter permutes Q/K rows for the llama architecture only (Qwen files
     # keep the rotate-half layout, which ggml's NEOX RoPE reads)
-    for key, value in list(weights.items()) if config["model_type"] == "llama" else []:
+    for key, value in list(weights.items()) if arch == "llama" else []:
         if ".self_attn.q_proj." in key:
             weights[key] = _unpermute(value, n_heads)
         elif ".self_attn.k_proj." in key:
@@ -716,7 +716,8 @@ def load_gguf(path: Path, requantize: bool = True):
     meta, infos = read_header(path)
     config = model_config(meta, infos, path)
     tokenizer = build_tokenizer(meta, path)
-    weights, rope_factors = load_weights(path, infos, config, requantize)
+    weights, rope_factors = load_weights(path, infos, config, meta["general.architecture"],
+                                         requantize)
     try:
         model = build_model(config, weights, rope_factors)
     except Exception as e:

@@ -19,8 +19,8 @@ import mlx.nn as nn
 
 from .cache import TreeKVCache
 from .errors import EagleError, reason
-from .families import FAMILIES, AttentionMechanism, Forward, RopeContext, family_of, \
-    install_positions, untruncated_yarn
+from .families import FAMILIES, AttentionMechanism, Forward, LinearAttentionMechanism, \
+    RopeContext, family_of, install_positions, untruncated_yarn
 from .gguf import find_gguf, load_gguf
 from .hub import resolve
 from .values import DTYPE_CHOICES
@@ -118,7 +118,7 @@ class Target:
         a few KB there)."""
         total = 0
         for m, layer in zip(self.mechanisms, self.layers):
-            if hasattr(m, "kernel"):
+            if isinstance(m, LinearAttentionMechanism):
                 a = layer.linear_attn
                 total += a.num_v_heads * a.head_v_dim * a.head_k_dim * 4 + \
                     a.conv_dim * self.dtype.size
@@ -174,7 +174,7 @@ class Target:
               sliding-window layer narrows it to its window.
         taps: decoder layers whose *input* hidden states to return (EAGLE-3).
         max_depth: a bound on the tree's depth below the root (recurrent layers scan
-              that many levels; default T).
+              that many levels and the root's; default T - 1).
         Returns the final hidden state after the last RMSNorm [B, T, H] and the
         tapped states in the order of `taps`; logits are `lm_head(hidden)`.
         """
@@ -182,7 +182,8 @@ class Target:
         caches += [None] * (self.num_layers - len(caches))
         fwd = Forward(tokens.shape[1], caches[0].offset if caches[0] is not None else 0,
                       positions, mask)
-        fwd.max_depth = None if max_depth is None else max_depth + 1
+        if max_depth is not None:
+            fwd.max_depth = max_depth
         family, tapped = self.family, {}
         self._rope.positions = positions
         try:

@@ -94,6 +94,7 @@ def state_bytes():
     import transformers
 
     from eagle_mlx import mlxlm
+    from eagle_mlx.families import LinearAttentionMechanism
     from eagle_mlx.target import Target
 
     out = {}
@@ -104,7 +105,8 @@ def state_bytes():
         module = mlxlm.model_module(config["model_type"])
         model = module.Model(module.ModelArgs.from_dict(config))  # never evaluated: no memory
         target = Target(model, config)
-        out[name] = target.node_state_bytes, sum(hasattr(m, "kernel") for m in target.mechanisms)
+        out[name] = target.node_state_bytes, sum(isinstance(m, LinearAttentionMechanism)
+                                                 for m in target.mechanisms)
     return out
 
 
