@@ -8,7 +8,8 @@ import pytest
 import eagle_mlx
 from conftest import HYBRID_TARGETS
 from eagle_mlx import load_target
-from test_target import random_tree
+from eagle_mlx.cache import RecurrentCache
+from test_target import random_tree, tree_forward
 from test_windows import hf_greedy, hf_logits, hf_model
 from tiny import make_eagle_head, make_hf_model
 
@@ -41,12 +42,11 @@ def test_logits_and_hidden_states_match_transformers(tiny_dir, name):
     np.testing.assert_allclose(np.concatenate(logits), out.logits[0].numpy(), atol=1e-4, rtol=0)
 
 
-def _tree_forward(target, cache, tokens, anc, max_depth=None):
-    n = cache[0].offset
-    positions = mx.array(n + anc.sum(1) - 1)
-    mask = mx.array(np.concatenate([np.ones((len(tokens), n), bool), anc], axis=1))
-    h, _ = target(mx.array([tokens]), cache, positions=positions, mask=mask, max_depth=max_depth)
-    return np.array(target.lm_head(h)[0])
+def held(cache):
+    """What a layer's cache holds: its recurrent state and window, or its keys and values."""
+    if isinstance(cache, RecurrentCache):
+        return cache.arrays()
+    return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -65,8 +65,9 @@ def test_tree_forward_equals_path_by_path_and_keeps_the_accepted_state(tiny_dir,
         cache = target.make_cache()
         target(mx.array([prompt]), cache)
         depth = int(anc.sum(1).max()) - 1
-        logits = _tree_forward(target, cache, tokens, anc, max_depth=depth if trial else None)
-        linear = [c for c in cache if hasattr(c, "pending")]
+        logits = np.array(tree_forward(target, cache, tokens, anc,
+                                       max_depth=depth if trial else None))
+        linear = [c for c in cache if isinstance(c, RecurrentCache)]
         for i in range(len(tokens)):
             path = [tokens[j] for j in np.nonzero(anc[i])[0]]
             np.testing.assert_allclose(logits[i], hf_logits(model, prompt + path)[-1], atol=1e-4,
@@ -74,7 +75,7 @@ def test_tree_forward_equals_path_by_path_and_keeps_the_accepted_state(tiny_dir,
             if i % 4 == 0:  # the state node i would leave = the state of feeding its path alone
                 alone = target.make_cache()
                 target(mx.array([prompt + path]), alone)
-                for c, a in zip(linear, [a for a in alone if hasattr(a, "pending")]):
+                for c, a in zip(linear, [a for a in alone if isinstance(a, RecurrentCache)]):
                     np.testing.assert_allclose(np.array(c.pending[0][i]), np.array(a[1][0]),
                                                atol=1e-5, rtol=0)
         leaf = int(rng.integers(0, len(tokens)))
@@ -86,12 +87,8 @@ def test_tree_forward_equals_path_by_path_and_keeps_the_accepted_state(tiny_dir,
         target(mx.array([seq]), alone)
         for c, a in zip(cache, alone):
             assert c.offset == a.offset == len(seq)
-            for x, y in zip(c.arrays(), a.arrays()):
-                np.testing.assert_allclose(np.array(x)[..., : a.offset if x.ndim == 4 and
-                                                    not hasattr(c, "conv_rows") else None, :],
-                                           np.array(y)[..., : a.offset if y.ndim == 4 and
-                                                       not hasattr(a, "conv_rows") else None, :],
-                                           atol=1e-5, rtol=0)
+            for x, y in zip(held(c), held(a)):
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5, rtol=0)
         expected = hf_greedy(model, seq, 8)
         tok, out = int(np.argmax(logits[leaf])), []
         for _ in range(8):

@@ -89,11 +89,12 @@ def random_tree(rng, n_nodes, max_children=3):
     return parents, anc
 
 
-def tree_forward(target, cache, tokens, anc):
+def tree_forward(target, cache, tokens, anc, max_depth=None):
+    """The target's logits for a tree (ancestor-or-self mask `anc`) after what `cache` holds."""
     n = cache[0].offset
     positions = mx.array(n + anc.sum(1) - 1)
     mask = mx.array(np.concatenate([np.ones((len(tokens), n), bool), anc], axis=1))
-    h, _ = target(mx.array([tokens]), cache, positions=positions, mask=mask)
+    h, _ = target(mx.array([tokens]), cache, positions=positions, mask=mask, max_depth=max_depth)
     return target.lm_head(h)[0]
 
 

@@ -13,7 +13,7 @@ import eagle_mlx
 from conftest import WINDOWED_TARGETS
 from eagle_mlx import EagleError, load_target
 from eagle_mlx.speculative import PromptCache, SamplingParams, eagle_steps
-from test_target import random_tree
+from test_target import random_tree, tree_forward
 from tiny import make_eagle_head, make_hf_model
 
 NAMES = list(WINDOWED_TARGETS)
@@ -91,10 +91,7 @@ def test_tree_forward_equals_path_by_path_and_kept_rows_decode_alone(tiny_dir, n
         target(mx.array([prompt[:20]]), cache)
         target(mx.array([prompt[20:]]), cache)
         n = len(prompt)
-        positions = mx.array(n + anc.sum(1) - 1)
-        mask = mx.array(np.concatenate([np.ones((len(tokens), n), bool), anc], axis=1))
-        h, _ = target(mx.array([tokens]), cache, positions=positions, mask=mask)
-        logits = np.array(target.lm_head(h)[0])
+        logits = np.array(tree_forward(target, cache, tokens, anc))
         for i in range(len(tokens)):
             path = [tokens[j] for j in np.nonzero(anc[i])[0]]
             ref = hf_logits(model, prompt + path)[-1]
