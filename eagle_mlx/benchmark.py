@@ -139,7 +139,7 @@ def cost_curves(model, prefix_len, sizes, reps=5):
     cache = target.make_cache()
     hidden, _ = target(prefix, cache)
     mx.eval(hidden)
-    taps = target.eagle3_taps if head is not None and head.kind == "eagle3" else ()
+    taps = head.feature_taps(target) if head is not None else ()
     verify, draft = {}, {}
     for k in sizes:
         toks = mx.arange(3, 3 + k)[None] % target.vocab_size
@@ -158,12 +158,13 @@ def cost_curves(model, prefix_len, sizes, reps=5):
         if head is not None:
             hcache = head.make_cache()
             feats = mx.zeros((1, prefix_len, head.feature_size), dtype=target.dtype)
-            mx.eval(head(feats, prefix, target.embed_tokens, hcache))
+            mx.eval(head(feats, prefix, target.embed_tokens, hcache, fed_back=False))
             hfeat = mx.zeros((1, k, head.args.hidden_size), dtype=target.dtype)
             hmask = mask
 
             def run_head():
-                out = head(hfeat, toks, target.embed_tokens, hcache, positions=positions, mask=hmask)
+                out = head(hfeat, toks, target.embed_tokens, hcache, positions=positions,
+                           mask=hmask, fed_back=True)
                 mx.eval(head.logits(out, target).argmax(-1))
                 hcache.truncate(prefix_len)
 

@@ -173,3 +173,42 @@ class RecurrentCache(ArraysCache):
 
     def arrays(self):
         return tuple(a for a in self.cache if a is not None)
+
+
+class PositionedKVCache(TreeKVCache):
+    """A draft head's cache for a sliding-window layer: also the position of every slot
+    (the nodes of a drafted tree level share one), which the window's mask reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions = mx.zeros((0,), dtype=mx.int32)
+
+    def record_positions(self, positions: mx.array) -> None:
+        """The positions of the next update (called before it)."""
+        self.positions = mx.concatenate([self.positions[: self.offset],
+                                         positions.astype(mx.int32)])
+
+    def truncate(self, length: int) -> None:
+        super().truncate(length)
+        self.positions = self.positions[: self.offset]
+
+
+class HeadCache:
+    """A draft head's per-sequence state with one cache per decoder layer (EAGLE-3 heads
+    of several layers, MTP modules): they hold the same positions, so `offset` and
+    `truncate` are the first's and every layer's."""
+
+    def __init__(self, layers: int, positioned: bool = False):
+        self.layers = [PositionedKVCache() if positioned else TreeKVCache()
+                       for _ in range(layers)]
+
+    @property
+    def offset(self) -> int:
+        return self.layers[0].offset
+
+    def truncate(self, length: int) -> None:
+        for c in self.layers:
+            c.truncate(length)
+
+    def arrays(self):
+        return tuple(a for c in self.layers for a in c.arrays())

@@ -12,6 +12,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from .errors import EagleError
@@ -105,13 +106,48 @@ def check_head_config(config: dict, path: Path) -> None:
                          f"num_attention_heads {config['num_attention_heads']}.")
 
 
+def _draft_mapping(weights: Dict[str, mx.array], path: Path) -> None:
+    """`d2t` (draft id -> target id offsets) from `t2d` (the draft tokens' mask over the
+    target's vocabulary) where a layout ships only the mask, and the two checked against
+    each other where it ships both; `t2d` itself is not kept (`export_head` derives it)."""
+    t2d = weights.pop("t2d", None)
+    if t2d is None:
+        return
+    ids = np.flatnonzero(np.array(t2d.astype(mx.bool_)))
+    derived = ids - np.arange(len(ids))
+    if "d2t" not in weights:
+        if "lm_head.weight" in weights and len(ids) != weights["lm_head.weight"].shape[0]:
+            raise EagleError(f"t2d in {path} marks {len(ids)} draft tokens, but its lm_head "
+                             f"drafts {weights['lm_head.weight'].shape[0]}.")
+        weights["d2t"] = mx.array(derived.astype(np.int64))
+    elif not np.array_equal(np.array(weights["d2t"]).astype(np.int64), derived):
+        raise EagleError(f"d2t and t2d in {path} disagree on which target tokens the draft "
+                         "vocabulary holds.")
+
+
 def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=None):
-    """Make a head module from a config and checkpoint tensors, checking every key."""
+    """Make a head module from a config and checkpoint tensors, checking every key: any
+    published layout (`layouts.translate`), or a model checkpoint's MTP module."""
+    from .layouts import translate
+    from .mtp import build_mtp, is_mtp_config
+
+    eagle = config.get("eagle")
+    if is_mtp_config(config) or (isinstance(eagle, dict) and eagle.get("kind") == "mtp"):
+        head = build_mtp(config, weights, path, converted="eagle" in config)
+        head.layout = (config.get("eagle") or {}).get("layout") or \
+            f"{config.get('model_type')} MTP module"
+        if target is not None:
+            check_pair(head, target, path)
+        return head
+    config, weights, layout, made_for = translate(config, dict(weights), path)
     check_head_config(config, path)
     eagle = config.get("eagle") or {}
     kind = eagle.get("kind") or detect_kind(weights, path)
     weights = dict(weights)
-    weights.pop("t2d", None)  # target->draft membership: only training uses it
+    if kind == "eagle3":
+        _draft_mapping(weights, path)
+    else:
+        weights.pop("t2d", None)
     if kind == "eagle1" and "bias" not in config:
         config = dict(config, bias="fc.bias" in weights)
     try:
@@ -148,9 +184,15 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
             )
     if "d2t" in weights:
         weights["d2t"] = weights["d2t"].astype(mx.int64)
+    if kind == "eagle3" and args.draft_vocab_size != args.vocab_size and "d2t" not in weights:
+        raise EagleError(f"EAGLE-3 head {path} drafts over {args.draft_vocab_size} of "
+                         f"{args.vocab_size} tokens but has neither d2t nor t2d to map them.")
     head.load_weights(list(weights.items()))
     head.eval()
     head.source_path = path
+    head.layout, head.made_for = layout, made_for
+    # in the official key names, whatever the layout (a plain attribute, not a child)
+    object.__setattr__(head, "config", config)
     head.config_model_type = config.get("model_type")
     top1 = eagle.get("held_out_top1")
     head.held_out_top1 = float(top1) if isinstance(top1, (int, float)) and 0 < top1 <= 1 else None
@@ -166,26 +208,41 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
 
 def check_pair(head, target, head_path, embed_shape=None) -> None:
     """Fail loudly, naming both sides, where a head does not fit a target."""
-    a = head.args
+    from .layouts import family_name
+
+    kind = head.kind
     tname = target.path or "the target"
-    if a.target_width != target.hidden_size:
-        which = "drafts for a target of hidden size" if a.target_hidden_size else "has hidden size"
+    a = getattr(head, "args", None)
+    width = a.target_width if a is not None else head.feature_size
+    vocab = a.vocab_size if a is not None else head.vocab_size
+    if width != target.hidden_size:
+        which = "drafts for a target of hidden size" if a is not None and a.target_hidden_size \
+            else "has hidden size"
         raise EagleError(
-            f"head {head_path} ({a.kind}) {which} {a.target_width}, but target {tname} "
+            f"head {head_path} ({kind}) {which} {width}, but target {tname} "
             f"({target.model_type}) has hidden size {target.hidden_size}."
         )
-    if a.vocab_size != target.vocab_size:
+    if vocab != target.vocab_size:
         raise EagleError(
-            f"head {head_path} ({a.kind}) has vocab size {a.vocab_size}, but target {tname} "
+            f"head {head_path} ({kind}) has vocab size {vocab}, but target {tname} "
             f"({target.model_type}) has vocab size {target.vocab_size}."
         )
-    made_for = getattr(head, "config_model_type", None)
-    if isinstance(made_for, str) and made_for.startswith("qwen") \
+    made_for = getattr(head, "made_for", None)
+    if family_name(made_for) and family_name(made_for) != family_name(target.model_type):
+        raise EagleError(
+            f"head {head_path} ({getattr(head, 'layout', kind)}) was made for a {made_for} "
+            f"target, but target {tname} is {target.model_type}.")
+    config_type = getattr(head, "config_model_type", None)
+    if kind == "mtp" and family_name(config_type) != family_name(target.model_type):
+        raise EagleError(
+            f"MTP module {head_path} belongs to a {config_type} model, but target {tname} is "
+            f"{target.model_type}.")
+    if kind != "mtp" and isinstance(config_type, str) and config_type.startswith("qwen") \
             and not str(target.model_type).startswith("qwen"):
         # a head whose config is a Qwen config was made for a Qwen target (EAGLE-1 heads
         # carry their target's config; Llama-family heads say "llama" whatever the target)
         raise EagleError(
-            f"head {head_path} ({a.kind}) was made for a {made_for} target (its config's "
+            f"head {head_path} ({kind}) was made for a {config_type} target (its config's "
             f"model_type), but target {tname} is {target.model_type}."
         )
     if embed_shape is not None and embed_shape != (target.vocab_size, target.hidden_size):
@@ -193,8 +250,16 @@ def check_pair(head, target, head_path, embed_shape=None) -> None:
             f"embedding in head {head_path} has shape {embed_shape}, but target {tname} "
             f"embeds {target.vocab_size} x {target.hidden_size}."
         )
-    if a.kind == "eagle3":
-        check_eagle3_target(target, f"EAGLE-3 head {head_path}", f"target {tname}")
+    if kind == "eagle3":
+        if a.aux_layers:
+            bad = [i for i in a.aux_layers if i > target.num_layers]
+            if bad:
+                raise EagleError(
+                    f"EAGLE-3 head {head_path} reads target layer {bad[0]} (the hidden state "
+                    f"entering it), but target {tname} has {target.num_layers} layers "
+                    f"(0..{target.num_layers}).")
+        else:
+            check_eagle3_target(target, f"EAGLE-3 head {head_path}", f"target {tname}")
 
 
 def check_eagle3_target(target, head: str, name: str) -> None:
@@ -209,11 +274,23 @@ def read_head(path_or_repo: str) -> Tuple[dict, Dict[str, mx.array], Path]:
     if not isinstance(path_or_repo, (str, Path)):
         raise EagleError(f"the EAGLE head must be a folder or a Hugging Face repo id, given as a "
                          f"string (got {type(path_or_repo).__name__}).")
+    from .mtp import INDEX, is_mtp_config, mtp_shards, read_mtp_weights
+
+    # the config first: a model checkpoint's MTP module is read from the shards holding it
+    path = resolve(path_or_repo, "EAGLE head", allow_patterns=["config.json", INDEX])
+    config = read_config(path, "EAGLE head")
+    if is_mtp_config(config):
+        shards = mtp_shards(path)
+        needed = shards if shards is not None else ["model.safetensors"]
+        path = resolve(path_or_repo, "MTP checkpoint", allow_patterns=["config.json", INDEX,
+                                                                       *needed])
+        return config, read_mtp_weights(path, shards), path
     path = resolve(path_or_repo, "EAGLE head", allow_patterns=HEAD_FILES)
-    return read_config(path, "EAGLE head"), read_head_weights(path), path
+    return config, read_head_weights(path), path
 
 
 def load_head(path_or_repo: str, target=None):
-    """An EAGLE head from a converted MLX folder or a PyTorch one (converted in memory)."""
+    """An EAGLE head from a converted MLX folder, a published one in any layout (converted
+    in memory), or the MTP module of a model checkpoint (folder or repo)."""
     config, weights, path = read_head(path_or_repo)
     return build_head(config, weights, path, target)

@@ -219,7 +219,16 @@ def describe_mode(model, settings) -> str:
     source = "tuned" if model.tuning and model.tuning.get("speculate", True) else "default"
     explicit = any(getattr(settings, k) is not None for k in
                    ("total_tokens", "depth", "draft_top_k", "tree_choices"))
-    return f"{model.head.kind} head, {shape} ({'flags' if explicit else source})"
+    return f"{describe_head(model.head)}, {shape} ({'flags' if explicit else source})"
+
+
+def describe_head(head) -> str:
+    """The head's kind, the layout it was read from and the target layers it reads."""
+    layout = getattr(head, "layout", None)
+    text = f"{head.kind} head" + (f" ({layout} layout)" if layout and layout != "eagle_mlx"
+                                  else "")
+    taps = getattr(getattr(head, "args", None), "aux_layers", None)
+    return text + (f", reading target layers {list(taps)}" if taps else "")
 
 
 def chat_prompt(tokenizer, messages, use_template: bool = True):

@@ -27,9 +27,12 @@ def main(argv=None) -> int:
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="python -m eagle_mlx.convert",
-        description="Convert an EAGLE-1/EAGLE-3 head (PyTorch, local or Hugging Face) to MLX.",
+        description="Convert an EAGLE-1/EAGLE-3 head (official, SpecForge, vLLM speculators or "
+                    "NVIDIA Model-Optimizer layout, local or Hugging Face), or the MTP module "
+                    "of a Qwen3.5/3.6/Qwen3-Next checkpoint, to MLX.",
     )
-    p.add_argument("--eagle", help="head folder or Hugging Face repo id")
+    p.add_argument("--eagle", help="head folder or Hugging Face repo id (or a model checkpoint "
+                                  "whose MTP module to write out as a head)")
     p.add_argument("--mlx-path", required=True,
                    help="output folder for the MLX head (for the target, without --eagle)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights")
@@ -124,7 +127,9 @@ def _main(argv) -> int:
 
                 shutil.rmtree(model_out, ignore_errors=True)  # nothing half-done is left
             raise
-    wrote = ([f"{head.kind} head to {out}"] if head else []) + \
+    from .cli import describe_head
+
+    wrote = ([f"{describe_head(head)} to {out}"] if head else []) + \
         ([f"target to {model_out}"] if model_out else [])
     print("wrote " + " and ".join(wrote))
     return 0

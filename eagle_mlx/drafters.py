@@ -61,7 +61,7 @@ class EagleDrafter(Drafter):
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
         self.static = StaticTree(tree_choices, top_k) if tree_choices else None
         self.max_depth = self.static.max_depth if self.static else depth + 1
-        self.features = target.eagle3_taps if head.kind == "eagle3" else ()
+        self.features = head.feature_taps(target)
 
     @property
     def owner(self):

@@ -3,6 +3,7 @@ writes for a published head), and the published PyTorch-side layout (`export_hea
 
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
@@ -12,26 +13,50 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .checkpoint import EAGLE3_MIN_TARGET_LAYERS, FORMAT_VERSION, _quantize_predicate
+from .heads import HeadArgs
 from .outputs import atomic_dir
 from .values import DTYPES
 
 
+_OPTIONS_DEFAULTS = {f.name: f.default for f in fields(HeadArgs) if f.name in (
+    "aux_layers", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
+    "final_norm", "num_layers", "qk_norm", "sliding_window", "layer_types")}
+
+
 def head_config(head, source_config: dict) -> dict:
-    config = {k: v for k, v in source_config.items() if k not in ("eagle", "quantization")}
-    a = head.args
+    if head.kind == "mtp":  # the model's text config: what rebuilds the module's layer
+        config = {k: v for k, v in head.mtp_config.items() if k != "quantization"}
+        width, vocab = head.feature_size, head.vocab_size
+    else:
+        source = getattr(head, "config", None) or source_config  # (read from any layout)
+        config = {k: v for k, v in source.items()
+                  if k not in ("eagle", "quantization", "eagle3_options")}
+        a = head.args
+        width, vocab = a.target_width, a.vocab_size
+        if head.kind == "eagle3":
+            options = {k: getattr(a, k) for k, d in _OPTIONS_DEFAULTS.items()
+                       if getattr(a, k) != d}
+            if options:
+                config["eagle3_options"] = {k: list(v) if isinstance(v, tuple) else v
+                                            for k, v in options.items()}
     config["eagle"] = {
         "kind": head.kind,
         "format_version": FORMAT_VERSION,
-        "target_hidden_size": a.target_width,
-        "target_vocab_size": a.vocab_size,
+        "target_hidden_size": width,
+        "target_vocab_size": vocab,
         "feature_size": head.feature_size,
         "target_min_layers": EAGLE3_MIN_TARGET_LAYERS if head.kind == "eagle3" else 1,
     }
+    layout = getattr(head, "layout", None)
+    if layout and layout != "eagle_mlx":
+        config["eagle"]["layout"] = layout
+    if getattr(head, "made_for", None):
+        config["eagle"]["made_for"] = head.made_for
     top1 = (source_config.get("eagle") or {}).get("held_out_top1")
     if top1 is not None:  # what its trainer measured: acceptance far below it means a mismatch
         config["eagle"]["held_out_top1"] = top1
     if head.kind == "eagle1":
-        config["bias"] = a.bias
+        config["bias"] = head.args.bias
     return config
 
 

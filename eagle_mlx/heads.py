@@ -6,19 +6,23 @@ positions. Parameter names are the published checkpoints' key names.
 
 EAGLE-1:  x = fc(cat(embed(token), feature)); one Llama layer without input norm;
           logits = the target's lm_head(x).
-EAGLE-3:  h = fc(cat(low, mid, high)) (skipped when the feature is the head's own
-          output); a = cat(input_norm(embed), hidden_norm(h)) -> 2H-wide q/k/v;
-          logits = lm_head(norm(out)) over the draft vocab; target id = d + d2t[d].
+EAGLE-3:  h = fc(cat(taps)) (skipped when the feature is the head's own output);
+          a = cat(input_norm(embed), hidden_norm(h)) -> 2H-wide q/k/v; then any further
+          decoder layers; logits = lm_head(norm(out)) over the draft vocab; target id =
+          d + d2t[d]. The variants the published layouts use are options of the same head
+          (`HeadArgs`): the taps named by the head, norms before fc (one over the
+          concatenation, or one per tap), the normed hidden as the residual of the first
+          layer or as what deeper levels read, Qwen3 query/key norms, sliding layers.
 """
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import mlxlm
-from .cache import TreeKVCache
+from .cache import HeadCache, TreeKVCache
 from .layers import attention
 
 
@@ -38,8 +42,20 @@ class HeadArgs:
     draft_vocab_size: Optional[int] = None  # EAGLE-3
     has_d2t: bool = False
     qkv_bias: bool = False  # biased q/k/v (the Qwen2 heads)
+    o_bias: bool = False    # biased o_proj too (Llama/Qwen3 layers with attention_bias)
     target_hidden_size: Optional[int] = None  # EAGLE-3 heads narrower than their target
     explicit_head_dim: Optional[int] = None
+    # EAGLE-3 variants (checkpoint.py reads them from each layout's config)
+    aux_layers: Optional[Tuple[int, ...]] = None  # target layers whose inputs fc reads
+    norm_before_residual: bool = False  # the first layer's residual is the normed hidden
+    norm_before_fc: bool = False        # one RMSNorm over the concatenated taps
+    fc_norm: bool = False               # one RMSNorm per tap
+    norm_output: bool = False           # deeper levels read the normed output
+    final_norm: bool = True             # lm_head reads norm(out) (else out)
+    num_layers: int = 1                 # decoder layers (the first reads 2H)
+    qk_norm: bool = False               # Qwen3 layers: RMSNorm of each query/key head
+    sliding_window: Optional[int] = None
+    layer_types: Optional[Tuple[str, ...]] = None  # "sliding_attention" per layer
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -60,9 +76,22 @@ class HeadArgs:
             draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
             has_d2t=has_d2t,
             qkv_bias=bool(config.get("qkv_bias", False)),
+            o_bias=bool(config.get("o_bias", False)),
             target_hidden_size=config.get("target_hidden_size") if kind == "eagle3" else None,
             explicit_head_dim=config.get("head_dim"),
+            **({k: (tuple(v) if isinstance(v, list) else v) for k, v in
+                (config.get("eagle3_options") or {}).items()} if kind == "eagle3" else {}),
         )
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layers) if self.aux_layers else 3
+
+    def window(self, layer: int) -> Optional[int]:
+        """The sliding window of decoder layer `layer` (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def head_dim(self) -> int:
@@ -74,25 +103,49 @@ class HeadArgs:
         return self.target_hidden_size or self.hidden_size
 
 
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")  # others: plain RoPE, as EAGLE's code
+
+
+def window_mask(mask, cache, positions, T: int, window: int) -> mx.array:
+    """`mask` (None/"causal" or boolean [T, cached + T]) narrowed to each query's window:
+    key position > query position - window, the key positions being those the cache
+    recorded (a tree level's nodes share a position)."""
+    offset = cache.offset if cache is not None else 0
+    q = positions if positions is not None else mx.arange(offset, offset + T)
+    if cache is not None:
+        cache.record_positions(q)
+        k = cache.positions[: offset + T]
+    else:
+        k = q
+    band = (q[:, None] - k[None, :]) < window
+    if mask is None or isinstance(mask, str):
+        mask = k[None, :] <= q[:, None]
+    return mask & band
+
+
 class HeadAttention(nn.Module):
-    def __init__(self, args: HeadArgs, in_dims: int):
+    def __init__(self, args: HeadArgs, in_dims: int, window: Optional[int] = None):
         super().__init__()
         H, D = args.hidden_size, args.head_dim
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
         self.q_proj = nn.Linear(in_dims, self.n_heads * D, bias=args.qkv_bias)
         self.k_proj = nn.Linear(in_dims, self.n_kv_heads * D, bias=args.qkv_bias)
         self.v_proj = nn.Linear(in_dims, self.n_kv_heads * D, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * D, H, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
         self.scale = D**-0.5
+        self.window = window
         scaling = args.rope_scaling
-        if scaling and (scaling.get("type") or scaling.get("rope_type")) not in (
-            "linear", "dynamic", "llama3"
-        ):
+        if scaling and (scaling.get("type") or scaling.get("rope_type")) not in ROPE_TYPES:
             scaling = None
         self.rope = mlxlm.initialize_rope(D, args.rope_theta, False, scaling,
                                           args.max_position_embeddings)
 
     def __call__(self, x, cache, positions, mask):
+        if self.window is not None:
+            mask = window_mask(mask, cache, positions, x.shape[1], self.window)
         return self.o_proj(attention(
             self, self.q_proj(x), self.k_proj(x), self.v_proj(x),
             self.n_heads, self.n_kv_heads, cache, positions, mask,
@@ -141,11 +194,15 @@ class Eagle1Head(nn.Module):
     def draft_vocab_size(self) -> int:
         return self.draft.size if self.draft is not None else self.args.vocab_size
 
-    def __call__(self, features, tokens, embed, cache=None, positions=None, mask=None):
+    def __call__(self, features, tokens, embed, cache=None, positions=None, mask=None,
+                 fed_back=None):
         """features [B, T, H] paired with tokens [B, T] -> out_hidden [B, T, H]."""
         e = embed(tokens).astype(features.dtype)
         x = self.fc(mx.concatenate([e, features], axis=-1))
         return self.layers[0](x, cache, positions, mask)
+
+    def feature_taps(self, target) -> tuple:
+        return ()  # the post-norm last hidden state
 
     def logits(self, out_hidden, target) -> mx.array:
         if self.draft is not None:  # the N kept rows of the target's lm_head
@@ -163,15 +220,35 @@ class Eagle3MidLayer(nn.Module):
     def __init__(self, args: HeadArgs):
         super().__init__()
         H = args.hidden_size
-        self.self_attn = HeadAttention(args, 2 * H)
+        self.self_attn = HeadAttention(args, 2 * H, args.window(0))
         self.mlp = MLP(H, args.intermediate_size)
         self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.input_layernorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.norm_before_residual = args.norm_before_residual
 
     def __call__(self, emb, h, cache, positions, mask):
-        a = mx.concatenate([self.input_layernorm(emb), self.hidden_norm(h)], axis=-1)
-        h = h + self.self_attn(a, cache, positions, mask)
+        normed = self.hidden_norm(h)
+        a = mx.concatenate([self.input_layernorm(emb), normed], axis=-1)
+        h = (normed if self.norm_before_residual else h) + self.self_attn(a, cache, positions,
+                                                                           mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderLayer(nn.Module):
+    """A Llama (or, with query/key norms, Qwen3) decoder layer: the further layers of an
+    EAGLE-3 head."""
+
+    def __init__(self, args: HeadArgs, index: int):
+        super().__init__()
+        H = args.hidden_size
+        self.self_attn = HeadAttention(args, H, args.window(index))
+        self.mlp = MLP(H, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+
+    def __call__(self, h, cache, positions, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cache, positions, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -182,30 +259,62 @@ class Eagle3Head(nn.Module):
         super().__init__()
         self.args = args
         H = args.hidden_size
-        self.fc = nn.Linear(3 * args.target_width, H, bias=False)
+        W, n = args.target_width, args.num_aux
+        if args.norm_before_fc:
+            self.input_norm = nn.RMSNorm(n * W, eps=args.rms_norm_eps)
+        if args.fc_norm:
+            self.fc_norm = [nn.RMSNorm(W, eps=args.rms_norm_eps) for _ in range(n)]
+        self.fc = nn.Linear(n * W, H, bias=False)
         if args.target_hidden_size is not None:
             # its own embedding (the target's is of another width), as the official head has
             self.embed_tokens = nn.Embedding(args.vocab_size, H)
         self.midlayer = Eagle3MidLayer(args)
-        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        if args.num_layers > 1:
+            self.extra_layers = [DecoderLayer(args, i) for i in range(1, args.num_layers)]
+        if args.final_norm:
+            self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.lm_head = nn.Linear(H, args.draft_vocab_size, bias=False)
         if args.has_d2t:
             self.d2t = mx.zeros((args.draft_vocab_size,), dtype=mx.int64)
 
-    feature_size = property(lambda self: 3 * self.args.target_width)
+    feature_size = property(lambda self: self.args.num_aux * self.args.target_width)
     draft_vocab_size = property(lambda self: self.args.draft_vocab_size)
 
-    def __call__(self, features, tokens, embed, cache=None, positions=None, mask=None):
-        """features: three target taps [B, T, 3 x target width] (through fc) or the head's
-        own output [B, T, H] (deeper draft steps, no fc) -> out_hidden [B, T, H]."""
-        h = self.fc(features) if features.shape[-1] != self.args.hidden_size else features
+    def feature_taps(self, target) -> tuple:
+        """The target layers whose inputs the head reads (layer L: the last layer's output)."""
+        return tuple(self.args.aux_layers) if self.args.aux_layers else target.eagle3_taps
+
+    def _norm(self, h):
+        return self.norm(h) if "norm" in self else h
+
+    def __call__(self, features, tokens, embed, cache=None, positions=None, mask=None,
+                 fed_back=None):
+        """features: the target's taps [B, T, taps x target width] (through fc) or the
+        head's own output [B, T, H] (deeper draft steps, `fed_back`, no fc) -> out_hidden
+        [B, T, H] (normed where the head feeds its normed output back)."""
+        a = self.args
+        if fed_back is None:
+            fed_back = features.shape[-1] != self.feature_size
+        if fed_back:
+            h = features
+        else:
+            if "input_norm" in self:
+                features = self.input_norm(features)
+            if "fc_norm" in self:
+                parts = mx.split(features, a.num_aux, axis=-1)
+                features = mx.concatenate([n(x) for n, x in zip(self.fc_norm, parts)], axis=-1)
+            h = self.fc(features)
         if "embed_tokens" in self:
             embed = self.embed_tokens
         e = embed(tokens).astype(h.dtype)
-        return self.midlayer(e, h, cache, positions, mask)
+        caches = cache.layers if cache is not None else [None] * a.num_layers
+        h = self.midlayer(e, h, caches[0], positions, mask)
+        for layer, c in zip(self.extra_layers if a.num_layers > 1 else [], caches[1:]):
+            h = layer(h, c, positions, mask)
+        return self._norm(h) if a.norm_output else h
 
     def logits(self, out_hidden, target) -> mx.array:
-        return self.lm_head(self.norm(out_hidden))
+        return self.lm_head(out_hidden if self.args.norm_output else self._norm(out_hidden))
 
     def to_target_ids(self, draft_ids: mx.array) -> mx.array:
         if "d2t" in self:
@@ -213,7 +322,8 @@ class Eagle3Head(nn.Module):
         return draft_ids
 
     def make_cache(self):
-        return TreeKVCache()
+        return HeadCache(self.args.num_layers,
+                         any(self.args.window(i) for i in range(self.args.num_layers)))
 
 
 HEAD_CLASSES = {"eagle1": Eagle1Head, "eagle3": Eagle3Head}

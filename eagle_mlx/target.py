@@ -172,7 +172,8 @@ class Target:
         mask: boolean [T, cache length + T], True where a token may attend
               (default: causal). A tree passes its ancestor mask here; each
               sliding-window layer narrows it to its window.
-        taps: decoder layers whose *input* hidden states to return (EAGLE-3).
+        taps: decoder layers whose *input* hidden states to return (EAGLE-3); L (the
+              number of layers) is the last layer's output, before the final norm.
         max_depth: a bound on the tree's depth below the root (recurrent layers scan
               that many levels and the root's; default T - 1).
         Returns the final hidden state after the last RMSNorm [B, T, H] and the
@@ -194,6 +195,7 @@ class Target:
                 h = family.layer(self, i, layer, h, c, mech.mask(fwd, c), fwd)
         finally:
             self._rope.positions = None
+        tapped[self.num_layers] = h  # "the input of layer L": the last layer's output
         return family.inner.norm(h), [tapped[i] for i in taps]
 
 

@@ -118,7 +118,7 @@ def draft_dynamic(head, target, cache, features: mx.array, tokens: mx.array, roo
     only real positions: the tree levels are dropped again before returning.
     """
     embed = target.embed_tokens
-    out = head(features[None], tokens[None], embed, cache)
+    out = head(features[None], tokens[None], embed, cache, fed_back=False)
     stable = cache.offset
     last = out[:, -1:]                                         # [1, 1, H]
     ids, scores = compiled(_first_level, top_k)(head.logits(last[0, 0], target))
@@ -132,7 +132,7 @@ def draft_dynamic(head, target, cache, features: mx.array, tokens: mx.array, roo
     for level in range(depth):
         positions = mx.full((top_k,), stable + level, dtype=mx.int32)
         out = head(hidden, frontier[None], embed, cache, positions=positions,
-                   mask=_tree_step_mask(stable, tree_mask))    # [1, k, H]
+                   mask=_tree_step_mask(stable, tree_mask), fed_back=True)    # [1, k, H]
         # node ids count 1 + flat index into concat(scores_list): level 0 has k nodes,
         # every later level k*k candidates
         bias = 1 + top_k * top_k * max(0, level - 1) + (top_k if level > 0 else 0)
@@ -198,7 +198,7 @@ class StaticTree:
 
     def draft(self, head, target, cache, features, tokens, root) -> Tree:
         embed = target.embed_tokens
-        out = head(features[None], tokens[None], embed, cache)
+        out = head(features[None], tokens[None], embed, cache, fed_back=False)
         stable = cache.offset
         logits = head.logits(out[0, -1:], target)              # [1, V]
         first_ids = _topk(logits, self.top_k)[0]
@@ -211,7 +211,7 @@ class StaticTree:
             toks = topk_ids[-1].reshape(-1)[self.fed_token_index[d]]
             positions = mx.full((len(level),), stable + d, dtype=mx.int32)
             out = head(hidden, toks[None], embed, cache, positions=positions,
-                       mask=_tree_step_mask(stable, self.step_masks[d]))
+                       mask=_tree_step_mask(stable, self.step_masks[d]), fed_back=True)
             hidden = out
             logits = head.logits(out[0], target)
             ids = _topk(logits, self.top_k)[0]

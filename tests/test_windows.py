@@ -208,14 +208,21 @@ def chi_square_against_transformers(target_dir, head_dir, prompt, runs=1500, n_t
             if len(out) >= n_tokens:
                 break
         counts[tuple(out[:n_tokens])] = counts.get(tuple(out[:n_tokens]), 0) + 1
+    import torch
+
     reference = hf_model(target_dir)
     dist = {}
-    for s in itertools.product(range(vocab), repeat=n_tokens - 1):
-        logits = mx.array(hf_logits(reference, prompt + list(s))[len(prompt) - 1:])
-        logp = np.array(process_logits(logits, sampling.temp, sampling.top_p, sampling.top_k))
-        lp = sum(logp[j, s[j]] for j in range(n_tokens - 1))
-        for last in range(vocab):
-            dist[s + (last,)] = float(np.exp(lp + logp[n_tokens - 1, last]))
+    prefixes = list(itertools.product(range(vocab), repeat=n_tokens - 1))
+    for b in range(0, len(prefixes), 256):  # transformers over 256 continuations at once
+        batch = prefixes[b: b + 256]
+        with torch.no_grad():
+            out = reference(torch.tensor([prompt + list(s) for s in batch])).logits.numpy()
+        for s, row in zip(batch, out):
+            logits = mx.array(row[len(prompt) - 1:])
+            logp = np.array(process_logits(logits, sampling.temp, sampling.top_p, sampling.top_k))
+            lp = sum(logp[j, s[j]] for j in range(n_tokens - 1))
+            for last in range(vocab):
+                dist[s + (last,)] = float(np.exp(lp + logp[n_tokens - 1, last]))
     cells, other_obs, other_exp = [], 0, 0.0
     for key, p in dist.items():
         if p * runs >= 5:
