@@ -244,7 +244,7 @@ def test_convert_writes_the_mtp_module_as_a_small_head(mtp_targets, tmp_path, ca
 @pytest.mark.long
 def test_sampling_with_the_mtp_module_is_lossless(mtp_targets):
     p = chi_square_against_transformers(mtp_targets["qwen3_5"], mtp_targets["qwen3_5"],
-                                        [5, 17, 33, 8, 41, 12], runs=800)
+                                        [5, 17, 33, 8, 41, 12], runs=600)
     assert p > 1e-3, p
 
 
@@ -260,3 +260,35 @@ def test_bad_mtp_requests_are_refused_in_one_sentence(mtp_targets, tmp_path, tin
         eagle_mlx.load(str(mtp_targets["qwen3_5"]), eagle=str(mtp_targets["qwen3_next"]))
     message = str(e.value)
     assert "qwen3_next" in message and "\n" not in message, message
+
+
+def test_a_hub_repo_downloads_only_the_config_index_and_mtp_shard(mtp_targets, tmp_path,
+                                                                    monkeypatch):
+    """`eagle="org/repo"`: the Hub is asked for the config and index first, then for the
+    shard the index names for mtp.* alone (the fake Hub copies only what the patterns
+    allow, as snapshot_download does)."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    folder = mtp_targets["qwen3_next"]
+    target, _ = load_target(str(folder))
+    asked = []
+
+    def fake_download(repo, allow_patterns=None):
+        asked.append(list(allow_patterns))
+        out = tmp_path / "snapshot"
+        out.mkdir(exist_ok=True)
+        for f in folder.iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, out / f.name)
+        return str(out)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    head = load_head("Qwen/Qwen3-Next-tiny", target)
+    assert asked[0] == ["config.json", "model.safetensors.index.json"]
+    assert sorted(asked[1]) == sorted(["config.json", "model.safetensors.index.json",
+                                       "model-00003-of-00003.safetensors"])
+    assert sorted(p.name for p in (tmp_path / "snapshot").iterdir()) == sorted(asked[1])
+    assert head.kind == "mtp"
