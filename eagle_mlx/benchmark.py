@@ -89,6 +89,37 @@ def load_prompts(datasets, n, prompts_file=None):
             rows = [json.loads(l) for l in f if l.strip()]
         out += [("humaneval", "Complete the following Python function.\n\n" + r["prompt"])
                 for r in _spread(rows, n)]
+    if "edit" in datasets:
+        out += edit_prompts(n)
+    return out
+
+
+EDIT_CODE = ("Add a short comment above every line of this Python function, and return the whole "
+             "function:\n\n{}",
+             "Rename the function to `solve` and return the whole code unchanged otherwise:\n\n{}")
+EDIT_TEXT = ("Correct any spelling or grammar mistakes in the following text and return the "
+             "corrected text in full:\n\n{}",
+             "Quote the first two sentences of the following passage exactly, then say in one "
+             "sentence what it is about.\n\n{}")
+
+
+def edit_prompts(n):
+    """Edit-style prompts, whose answers copy their context: HumanEval canonical solutions
+    to annotate or rename (problems other than those the humaneval set evaluates: the odd
+    places between them) and ShareGPT answers to correct or quote."""
+    with gzip.open(_package_file(HUMANEVAL), "rt") as f:
+        rows = [json.loads(l) for l in f if l.strip()]
+    picked = set(id(r) for r in _spread(rows, n))
+    others = [r for r in rows if id(r) not in picked]
+    half = (n + 1) // 2
+    out = [("edit", EDIT_CODE[i % 2].format(r["prompt"] + r["canonical_solution"]))
+           for i, r in enumerate(_spread(others[1::2], half))]
+    from .data import load_conversations
+
+    answers = [m["content"] for c in load_conversations(limit=400) for m in c
+               if m["role"] == "assistant" and 300 <= len(m["content"]) <= 1200]
+    out += [("edit", EDIT_TEXT[i % 2].format(a)) for i, a in
+            enumerate(_spread(answers, n - half))]
     return out
 
 
@@ -320,8 +351,9 @@ def build_parser():
                                 description="Measure EAGLE against plain decoding and tune the tree.")
     add_model_args(p)
     p.add_argument("--prompts", help="jsonl file of prompts ('prompt' or 'turns' per line)")
-    p.add_argument("--datasets", nargs="+", default=["mt-bench", "humaneval"],
-                   choices=["mt-bench", "humaneval"], help="real prompt sets to use")
+    p.add_argument("--datasets", nargs="+", default=None, choices=["mt-bench", "humaneval", "edit"],
+                   help="real prompt sets to use (default: mt-bench humaneval, and edit with "
+                        "--lookup: code to annotate, text to correct or quote)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--temps", type=float, nargs="+", default=[0.0], help="temperatures to run")
@@ -522,12 +554,13 @@ def _main(argv):
     if importlib.util.find_spec("matplotlib") is None:  # checked before hours of measuring
         raise EagleError("the benchmark draws its plot with matplotlib, which is not installed; "
                          "pip install matplotlib.")
-    if args.model is not None and args.eagle is None:
-        raise UsageError("the benchmark compares EAGLE with plain decoding: give --eagle.")
+    if args.model is not None and args.eagle is None and not args.lookup:
+        raise UsageError("the benchmark compares EAGLE (or, with --lookup, prompt lookup) with "
+                         "plain decoding: give --eagle or --lookup.")
+    if args.datasets is None:
+        args.datasets = ["mt-bench", "humaneval"] + (["edit"] if args.lookup else [])
     prompts = load_prompts(args.datasets, args.num_prompts, args.prompts)  # before the model
     model, tokenizer = load_from_args(args)
-    if model.head is None:
-        raise UsageError("the benchmark compares EAGLE with plain decoding: give --eagle.")
     encoded = [(src, chat_prompt(tokenizer, [{"role": "user", "content": text}],
                                  use_template=not args.ignore_chat_template)) for src, text in prompts]
     limit = model.target.max_context - args.max_tokens - 64
@@ -535,6 +568,19 @@ def _main(argv):
         raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the "
                          f"model's context of {model.target.max_context} tokens.")
     encoded = [(src, ids[-limit:]) for src, ids in encoded]  # keep long prompts in context
+    if model.lookup is not None:
+        lookup = lookup_report(model, tokenizer, encoded, args)
+        if model.head is None:  # prompt lookup alone: no tree to tune
+            if writes:
+                atomic_file(output, lambda tmp: tmp.write_text(json.dumps(lookup, indent=2)))
+                if args.save_tuning:
+                    _save_lookup_tuning(model, lookup)
+            return 0
+        from dataclasses import replace
+
+        merged_lookup, model = lookup, replace(model, lookup=None)  # the trees: EAGLE alone
+    else:
+        merged_lookup = None
     trees = hybrid_trees(model.target, trees, args.trees == DEFAULT_TREES)
 
     # measure: the cost curves, then every prompt at every temperature
@@ -588,11 +634,98 @@ def _main(argv):
         tree = {k: choice[k] for k in ("total_tokens", "depth", "draft_top_k")}
         choice["draft_vocab"], report["draft_vocabs"] = choose_draft_vocab(
             model, tokenizer, encoded, args, tree)
+    if merged_lookup is not None:
+        report["lookup"] = merged_lookup
+        if merged_lookup.get("lookup_accept"):
+            choice["lookup_accept"] = merged_lookup["lookup_accept"]
     report["choice"] = choice
     _print_choice(choice)
     if writes:
         write(report, output, plot_path, args, model)
     return 0
+
+
+def lookup_report(model, tokenizer, encoded, args) -> dict:
+    """Plain, prompt lookup alone, and (with a head) EAGLE and both, interleaved on every
+    prompt at every temperature: tau and tokens/s per mode and per dataset, the lookup
+    drafts' acceptance by match length (the calibration merged trees rank them by), and
+    the drafter's host time per cycle."""
+    from dataclasses import replace
+
+    from .lookup import SuffixAutomaton, calibration
+    from .model import EagleModel
+
+    settings = model.lookup
+    counting = replace(settings, stats={})
+    alone = EagleModel(model.target, lookup=counting)
+    modes = {"plain": (replace(model, lookup=None), False), "lookup": (alone, True)}
+    if model.head is not None:
+        modes["eagle"] = (replace(model, lookup=None), True)
+        modes["eagle+lookup"] = (model, True)
+    report = {"settings": {"min_match": settings.min_match, "max_draft": settings.max_draft,
+                           "branches": settings.branches}, "temps": {}}
+    produced = []
+    for temp in args.temps:
+        rows = []
+        for i, (src, ids) in enumerate(encoded):
+            row = {"source": src}
+            for name, (m, speculate) in modes.items():
+                r = run_one(m, tokenizer, ids, args.max_tokens, temp, args.seed + i,
+                            {} if speculate else None)
+                row[name] = {"tau": r["tau"], "tokens_per_second": r["tokens_per_second"]}
+                if name == "plain":  # (the first mode)
+                    plain_tokens = r["tokens"]
+                    produced.append(ids + plain_tokens)
+                elif temp == 0:
+                    row[name]["identical_to_plain"] = r["tokens"] == plain_tokens
+            rows.append(row)
+            print(f"[{src} {i + 1}/{len(encoded)} temp {temp}] " + ", ".join(
+                f"{k} tau {v['tau']:.2f} {v['tokens_per_second']:.1f} tok/s"
+                for k, v in row.items() if k != "source"), file=sys.stderr)
+        summary = {}
+        for name in modes:
+            tps = statistics.mean(r[name]["tokens_per_second"] for r in rows)
+            summary[name] = {
+                "tau": statistics.mean(r[name]["tau"] for r in rows), "tokens_per_second": tps,
+                "speedup": tps / statistics.mean(r["plain"]["tokens_per_second"] for r in rows),
+                "by_source": {s: {"tau": statistics.mean(r[name]["tau"] for r in rows
+                                                         if r["source"] == s),
+                                  "tokens_per_second": statistics.mean(
+                                      r[name]["tokens_per_second"] for r in rows
+                                      if r["source"] == s)}
+                              for s in sorted({r["source"] for r in rows})},
+                "identical_to_plain": all(r[name].get("identical_to_plain", True) for r in rows)}
+        report["temps"][str(temp)] = {"summary": summary, "prompts": rows}
+        for name, v in summary.items():
+            print(f"temp {temp} {name:>13}: tau {v['tau']:.2f}, {v['tokens_per_second']:.1f} "
+                  f"tok/s ({v['speedup']:.2f}x plain)" + "".join(
+                      f"; {s} tau {b['tau']:.2f} {b['tokens_per_second']:.1f} tok/s"
+                      for s, b in v["by_source"].items()), file=sys.stderr)
+    report["lookup_stats"] = {str(k): v for k, v in sorted(counting.stats.items())}
+    report["lookup_accept"] = {str(k): v for k, v in calibration(counting.stats).items()}
+    # the drafter's host time per cycle: the automaton fed each plain output token by token,
+    # with a proposal after each (every cycle proposes once and absorbs >= 1 token)
+    t0, cycles = time.perf_counter(), 0
+    for seq in produced:
+        sam = SuffixAutomaton()
+        for t in seq:
+            sam.append(t)
+            sam.continuations(settings.min_match, settings.max_draft, settings.branches)
+            cycles += 1
+    report["drafter_seconds_per_cycle"] = (time.perf_counter() - t0) / max(cycles, 1)
+    print(f"lookup drafter: {report['drafter_seconds_per_cycle'] * 1e6:.1f} us a cycle (host); "
+          f"acceptance by match length {report['lookup_accept']}", file=sys.stderr)
+    return report
+
+
+def _save_lookup_tuning(model, report) -> None:
+    from .tuning import write_tuning
+
+    if not report.get("lookup_accept"):
+        return
+    f = write_tuning(None, model.target.path, model.target.dtype,
+                     {"lookup_accept": report["lookup_accept"]})
+    print(f"saved the lookup calibration to {f}", file=sys.stderr)
 
 
 def main(argv=None):

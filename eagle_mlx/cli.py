@@ -74,6 +74,35 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                                    "omitted: plain decoding, unless the demo target is used")
     add_dtype_arg(p)
     add_draft_vocab_args(p)
+    add_lookup_args(p)
+
+
+def add_lookup_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookup", action="store_true",
+                   help="prompt lookup: drafts copied from the context, alone (without --eagle, "
+                        "and with --model) or merged into the head's tree")
+    p.add_argument("--lookup-min-match", type=int, default=None,
+                   help="shortest earlier occurrence of the context's end that drafts (default 2)")
+    p.add_argument("--lookup-max-draft", type=int, default=None,
+                   help="most tokens a lookup branch copies (default 8)")
+
+
+def lookup_from_args(args):
+    """LookupSettings from --lookup and its settings (None without --lookup)."""
+    from .lookup import LookupSettings
+
+    extra = {k: getattr(args, f"lookup_{k}", None) for k in ("min_match", "max_draft")}
+    given = [k for k, v in extra.items() if v is not None]
+    if not getattr(args, "lookup", False):
+        if given:
+            raise UsageError(f"--lookup-{given[0].replace('_', '-')} needs --lookup.")
+        return None
+    settings = LookupSettings(**{k: v for k, v in extra.items() if v is not None})
+    for k in given:
+        if not 1 <= extra[k] <= 256:
+            raise UsageError(f"--lookup-{k.replace('_', '-')} must be from 1 to 256 "
+                             f"(got {extra[k]}).")
+    return settings
 
 
 def add_draft_vocab_args(p: argparse.ArgumentParser) -> None:
@@ -172,6 +201,7 @@ def load_from_args(args):
     if draft_vocab is not None and draft_vocab < 0:
         raise UsageError(f"--draft-vocab must be 0 (the whole vocabulary) or positive "
                          f"(got {draft_vocab}).")
+    lookup = lookup_from_args(args)
     demo_vocab = False  # the demo's EAGLE-1 head drafts over its measured vocabulary
     if model_path is None:
         model_path, demo_head = demo_paths()
@@ -181,7 +211,8 @@ def load_from_args(args):
     distributed.silence_other_ranks(group)
     # an explicit --draft-vocab 0 also overrides the benchmark's tuned choice
     model, tokenizer = load(model_path, eagle=eagle_path, dtype=args.dtype,
-                            draft_vocab=0 if draft_vocab == 0 else None, group=group)
+                            draft_vocab=0 if draft_vocab == 0 else None, group=group,
+                            lookup=lookup)
     if demo_vocab:
         draft_vocab = demo_draft_vocab(model.head)
     if draft_vocab and model.head is not None:
@@ -204,6 +235,10 @@ def describe_mode(model, settings) -> str:
     """What a generation with these settings runs: plain decoding or the tree actually used."""
     from .generation import tree_plan
 
+    lookup = getattr(model, "lookup", None)
+    if lookup is not None and model.head is None:
+        return (f"prompt lookup alone: up to {lookup.branches} branches of {lookup.max_draft} "
+                f"tokens after matches of {lookup.min_match}+ tokens")
     tree = tree_plan(model, settings.total_tokens, settings.depth, settings.draft_top_k,
                      settings.tree_choices)
     if tree is None:
@@ -219,7 +254,8 @@ def describe_mode(model, settings) -> str:
     source = "tuned" if model.tuning and model.tuning.get("speculate", True) else "default"
     explicit = any(getattr(settings, k) is not None for k in
                    ("total_tokens", "depth", "draft_top_k", "tree_choices"))
-    return f"{describe_head(model.head)}, {shape} ({'flags' if explicit else source})"
+    merged = " with prompt lookup branches in its budget" if lookup is not None else ""
+    return f"{describe_head(model.head)}, {shape}{merged} ({'flags' if explicit else source})"
 
 
 def describe_head(head) -> str:

@@ -14,7 +14,9 @@ import numpy as np
 
 from .errors import EagleError
 from .engine import SamplingParams, generation_stream
-from .speculative import PromptCache, eagle_steps, plain_steps
+from .drafters import EagleDrafter
+from .lookup import LookupDrafter, MergedDrafter
+from .speculative import PromptCache, eagle_steps, plain_steps, speculative_steps
 from .values import GenerationSettings, _check, _is_int, static_top_k
 
 
@@ -156,7 +158,10 @@ def stream_generate(
            "prompt_cache must be an eagle_mlx.PromptCache.")
     _check(hasattr(model, "target") and hasattr(model, "head"),
            "model must be the EagleModel that eagle_mlx.load returns.")
-    tree = tree_plan(model, total_tokens, depth, draft_top_k, tree_choices, s.speculate)
+    lookup = getattr(model, "lookup", None)  # prompt lookup: alone, or merged with the head
+    alone = lookup is not None and model.head is None
+    tree = None if alone else tree_plan(model, total_tokens, depth, draft_top_k, tree_choices,
+                                        s.speculate)
     speculate = tree is not None
     if speculate:
         total_tokens, depth, draft_top_k = tree["total_tokens"], tree["depth"], tree["draft_top_k"]
@@ -180,8 +185,16 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
     sampling = SamplingParams(temp, s.top_p, s.top_k, s.min_p)
-    if not speculate:
+    if alone and s.speculate is not False:
+        steps = speculative_steps(target, LookupDrafter(lookup), ids, sampling, max_context,
+                                  prompt_cache=prompt_cache)
+    elif not speculate:
         steps = plain_steps(target, ids, sampling, max_context, prompt_cache=prompt_cache)
+    elif lookup is not None:
+        drafter = MergedDrafter(EagleDrafter(model.head, target, total_tokens, depth, draft_top_k,
+                                             tree_choices), LookupDrafter(lookup), total_tokens)
+        steps = speculative_steps(target, drafter, ids, sampling, max_context,
+                                  prompt_cache=prompt_cache)
     else:
         steps = eagle_steps(target, model.head, ids, sampling, total_tokens, depth,
                             draft_top_k, tree_choices, max_context, prompt_cache=prompt_cache)

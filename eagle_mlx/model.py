@@ -23,6 +23,7 @@ class EagleModel:
     head_path: Optional[str] = None
     tuning: Optional[dict] = None  # the benchmark's choice for this head, target and machine
     group: Optional[object] = None  # the mx.distributed group the target is sharded over
+    lookup: Optional[object] = None  # LookupSettings: prompt lookup alone or with the head
 
     @property
     def speculates(self) -> bool:
@@ -38,7 +39,7 @@ class EagleModel:
 
 def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
          dtype: Optional[str] = None, draft_vocab: Optional[int] = None,
-         draft_vocab_data: Optional[str] = None, group=None):
+         draft_vocab_data: Optional[str] = None, group=None, lookup=False):
     """Load a target (folder, Hugging Face repo id or GGUF file) and, optionally, its EAGLE head.
 
     `eagle` may be a converted MLX head folder or a published PyTorch one (converted in
@@ -51,14 +52,30 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     group: an `mx.distributed` group (`mx.distributed.init()` under `mlx.launch`): the
     target is sharded over its ranks (tensor parallel), the head runs whole on each; every
     rank then runs the same `stream_generate` calls.
-    Returns (EagleModel, tokenizer); with eagle=None decoding is plain.
+    lookup: True (or a `lookup.LookupSettings`) adds prompt lookup: drafts copied from the
+    context, alone (eagle=None: speculation with no head at all) or as branches of the
+    head's tree within its node budget.
+    Returns (EagleModel, tokenizer); with eagle=None and no lookup decoding is plain.
     """
+    from .lookup import LookupSettings
+
     convert_to = resolve_dtype(dtype)
     if group is not None and group.size() < 2:
         group = None
+    if lookup is True:
+        lookup = LookupSettings()
+    elif lookup is False or lookup is None:
+        lookup = None
+    elif not isinstance(lookup, LookupSettings):
+        from .errors import EagleError
+
+        raise EagleError(f"lookup must be True, False or an eagle_mlx.LookupSettings "
+                         f"(got {type(lookup).__name__}).")
+    else:
+        lookup.check()
     t, tokenizer = load_target(target, lazy=lazy, dtype=dtype, group=group)
     if eagle is None:
-        return EagleModel(t, group=group), tokenizer
+        return EagleModel(t, group=group, lookup=_calibrated(lookup, t)), tokenizer
     head = load_head(eagle, t)
     if convert_to is not None:
         convert_dtype(head, convert_to)
@@ -70,7 +87,20 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
         draft_vocab = tuning["draft_vocab"]  # the benchmark's choice on this machine
     if draft_vocab:
         attach_draft_vocab(head, t, tokenizer, draft_vocab, draft_vocab_data)
-    return EagleModel(t, head, str(path), tuning, group), tokenizer
+    if lookup is not None and tuning and tuning.get("lookup_accept"):
+        lookup.accept = {int(k): float(v) for k, v in tuning["lookup_accept"].items()}
+    return EagleModel(t, head, str(path), tuning, group, lookup), tokenizer
+
+
+def _calibrated(lookup, target):
+    """Lookup settings with the benchmark's acceptance by match length for this target
+    (measured without a head), where it measured one."""
+    if lookup is None:
+        return None
+    tuning = read_tuning(None, target.path, target.dtype)
+    if tuning and tuning.get("lookup_accept"):
+        lookup.accept = {int(k): float(v) for k, v in tuning["lookup_accept"].items()}
+    return lookup
 
 
 def attach_draft_vocab(head, target, tokenizer, n, data=None) -> None:

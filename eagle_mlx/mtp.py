@@ -14,7 +14,6 @@ only the `mtp.*` tensors, from only the shards its safetensors index names (a Hu
 downloads those files alone).
 """
 
-import importlib
 import json
 import re
 import struct
@@ -130,14 +129,14 @@ def _layer_module(config: dict, path: Path):
 
     text = text_config(config)
     text = {**text, **_hybrid_overrides(text, path)}
+    from .mlxlm import model_module
+
     kind = text.get("model_type")
     if kind == "qwen3_next":
-        module = importlib.import_module("mlx_lm.models.qwen3_next")
-        args = module.ModelArgs.from_dict(text)
-        return module.Qwen3NextDecoderLayer, args
-    module = importlib.import_module("mlx_lm.models.qwen3_5")
-    args = module.TextModelArgs.from_dict(text)
-    return module.DecoderLayer, args
+        module = model_module("qwen3_next")
+        return module.Qwen3NextDecoderLayer, module.ModelArgs.from_dict(text)
+    module = model_module("qwen3_5")  # (its text model serves the MoE checkpoints too)
+    return module.DecoderLayer, module.TextModelArgs.from_dict(text)
 
 
 def sanitize(weights: Dict[str, mx.array], num_experts: int) -> Dict[str, mx.array]:

@@ -23,7 +23,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional
 
-from .cli import ArgumentParser, add_draft_vocab_args, add_dtype_arg, run_cli
+from .cli import ArgumentParser, add_draft_vocab_args, add_dtype_arg, add_lookup_args, run_cli
 from .errors import EagleError
 
 MAX_BODY_BYTES = 1 << 20  # default limit on a request body
@@ -501,6 +501,7 @@ def build_parser() -> ArgumentParser:
                                    "the demo target is used)")
     add_dtype_arg(p)
     add_draft_vocab_args(p)
+    add_lookup_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
@@ -561,6 +562,8 @@ def _main(argv) -> int:
     http.start()
     host, port = server.server_address[:2]
     mode = "plain decoding" if model.head is None else f"{model.head.kind} head"
+    if model.lookup is not None:
+        mode = "prompt lookup" if model.head is None else mode + " with prompt lookup"
     print(f"serving {model_id} ({mode}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     try:
         server.engine.run()  # here, on the main thread, until a signal stops it

@@ -44,7 +44,8 @@ def machine() -> dict:
 
 
 def _key(head_path, target_path, dtype) -> dict:
-    return {"head": _files(head_path), "target": _files(target_path), "dtype": str(dtype),
+    return {"head": _files(head_path) if head_path else None,  # None: prompt lookup alone
+            "target": _files(target_path), "dtype": str(dtype),
             "machine": machine()}
 
 

@@ -188,9 +188,11 @@ def test_prompt_cache_second_turn_starts_past_the_window(windowed_pairs, specula
     assert out == hf_greedy(reference, edited, 20)
 
 
-def chi_square_against_transformers(target_dir, head_dir, prompt, runs=1500, n_tokens=3):
+def chi_square_against_transformers(target_dir, head_dir, prompt, runs=1500, n_tokens=3,
+                                    steps=eagle_steps):
     """p-value of the first `n_tokens` sampled tokens (EAGLE, temperature 0.7, top-k 5,
-    top-p 0.9, tree 10/3/3) against transformers' logits enumerated exactly."""
+    top-p 0.9, tree 10/3/3; `steps` makes the steps from those, `eagle_steps` by default)
+    against transformers' logits enumerated exactly."""
     from scipy.stats import chi2
 
     from eagle_mlx.accept import process_logits
@@ -202,8 +204,8 @@ def chi_square_against_transformers(target_dir, head_dir, prompt, runs=1500, n_t
     for seed in range(runs):
         mx.random.seed(seed)
         out = []
-        for step in eagle_steps(model.target, model.head, prompt, sampling, total_tokens=10,
-                                depth=3, draft_top_k=3):
+        for step in steps(model.target, model.head, prompt, sampling, total_tokens=10,
+                          depth=3, draft_top_k=3):
             out += step.tokens
             if len(out) >= n_tokens:
                 break
