@@ -652,7 +652,7 @@ def lookup_report(model, tokenizer, encoded, args) -> dict:
     the drafter's host time per cycle."""
     from dataclasses import replace
 
-    from .lookup import SuffixAutomaton, calibration
+    from .lookup import LookupDrafter, calibration
     from .model import EagleModel
 
     settings = model.lookup
@@ -703,16 +703,20 @@ def lookup_report(model, tokenizer, encoded, args) -> dict:
                       for s, b in v["by_source"].items()), file=sys.stderr)
     report["lookup_stats"] = {str(k): v for k, v in sorted(counting.stats.items())}
     report["lookup_accept"] = {str(k): v for k, v in calibration(counting.stats).items()}
-    # the drafter's host time per cycle: the automaton fed each plain output token by token,
-    # with a proposal after each (every cycle proposes once and absorbs >= 1 token)
-    t0, cycles = time.perf_counter(), 0
-    for seq in produced:
-        sam = SuffixAutomaton()
-        for t in seq:
-            sam.append(t)
-            sam.continuations(settings.min_match, settings.max_draft, settings.branches)
+    # the drafter's time per cycle: a proposal (the automaton fed one token, its branches,
+    # the tree's arrays made and evaluated) after each token of every plain output, the
+    # prompt fed first (a cycle proposes once and absorbs >= 1 token)
+    drafter, elapsed, cycles = LookupDrafter(settings), 0.0, 0
+    for seq, (_, ids) in zip(produced, encoded * len(args.temps)):
+        state = drafter.new_state()
+        drafter.catch_up(state, mx.array(ids[1:-1]))
+        for t in seq[len(ids) - 1:]:
+            t0 = time.perf_counter()
+            tree = drafter.propose(state, None, mx.array([t]), mx.array(t))
+            mx.eval(tree.tokens, tree.parents, tree.anc, tree.depth)
+            elapsed += time.perf_counter() - t0
             cycles += 1
-    report["drafter_seconds_per_cycle"] = (time.perf_counter() - t0) / max(cycles, 1)
+    report["drafter_seconds_per_cycle"] = elapsed / max(cycles, 1)
     print(f"lookup drafter: {report['drafter_seconds_per_cycle'] * 1e6:.1f} us a cycle (host); "
           f"acceptance by match length {report['lookup_accept']}", file=sys.stderr)
     return report

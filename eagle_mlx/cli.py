@@ -236,11 +236,12 @@ def describe_mode(model, settings) -> str:
     from .generation import tree_plan
 
     lookup = getattr(model, "lookup", None)
-    if lookup is not None and model.head is None:
+    tree = None if model.head is None else tree_plan(
+        model, settings.total_tokens, settings.depth, settings.draft_top_k, settings.tree_choices)
+    if lookup is not None and tree is None and settings.speculate is not False:
+        why = "" if model.head is None else " (the benchmark found the head's trees do not pay here)"
         return (f"prompt lookup alone: up to {lookup.branches} branches of {lookup.max_draft} "
-                f"tokens after matches of {lookup.min_match}+ tokens")
-    tree = tree_plan(model, settings.total_tokens, settings.depth, settings.draft_top_k,
-                     settings.tree_choices)
+                f"tokens after matches of {lookup.min_match}+ tokens{why}")
     if tree is None:
         if model.head is not None:
             return "plain decoding: the benchmark found that speculation does not pay here"

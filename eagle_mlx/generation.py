@@ -163,6 +163,8 @@ def stream_generate(
     tree = None if alone else tree_plan(model, total_tokens, depth, draft_top_k, tree_choices,
                                         s.speculate)
     speculate = tree is not None
+    # where the benchmark found that the head's trees do not pay, lookup drafts alone
+    alone = alone or (lookup is not None and not speculate)
     if speculate:
         total_tokens, depth, draft_top_k = tree["total_tokens"], tree["depth"], tree["draft_top_k"]
     target = model.target

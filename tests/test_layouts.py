@@ -176,7 +176,7 @@ def test_speculators_heads_decode_as_plain(tmp_path, target_dir):
     """Greedy EAGLE with speculators heads (several flags, Qwen3 layers, a draft
     vocabulary, its own tap ids) = transformers' greedy, over three trees."""
     speculators_or_skip()
-    for name in ("fc_norm+norm_output", "two_layers_qwen3", "draft_vocab+aux_ids"):
+    for name in ("two_layers_qwen3", "draft_vocab+aux_ids"):
         make_speculators_head(tmp_path / name, target_dir, SPECULATORS_VARIANTS[name], seed=3)
         greedy_against_transformers(target_dir, tmp_path / name, TREES, prompt_lengths=(12, 25),
                                     n=24)
