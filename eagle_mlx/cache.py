@@ -212,3 +212,88 @@ class HeadCache:
 
     def arrays(self):
         return tuple(a for c in self.layers for a in c.arrays())
+
+
+class RaggedKVCache:
+    """One attention layer's cache for a batch of sequences of different lengths (the
+    building block of batched speculation): buffers [B, heads, slots, D] with row b's
+    positions in slots 0..lengths[b]-1, each row's new positions (a prefill chunk, or a
+    tree padded to the batch's widest) written at its own length, and each row's accepted
+    tree rows kept in place — per row only the slots it appends or keeps are written, the
+    batch is never copied. `mask` gives the [B, 1, T, slots] boolean mask of the pass that
+    wrote (every row's own prefix, then its tree's ancestors); `commit` ends a pass."""
+
+    step = 256
+
+    def __init__(self, lengths):
+        self.lengths = [int(n) for n in lengths]
+        self.keys = self.values = None
+        self.written = 0  # positions the current pass appended per row
+
+    def _grow(self, B, H, D, Dv, dtype, need):
+        have = 0 if self.keys is None else self.keys.shape[2]
+        if need <= have:
+            return
+        extra = ((need - have + self.step - 1) // self.step) * self.step
+        k, v = mx.zeros((B, H, extra, D), dtype), mx.zeros((B, H, extra, Dv), dtype)
+        self.keys = k if self.keys is None else mx.concatenate([self.keys, k], axis=2)
+        self.values = v if self.values is None else mx.concatenate([self.values, v], axis=2)
+
+    def update_and_fetch(self, keys, values):
+        """keys/values [B, heads, T, D]: row b's T new positions go to slots lengths[b]..;
+        returns every slot any row uses (rows' masks hide the others)."""
+        B, H, T, D = keys.shape
+        need = max(self.lengths) + T
+        self._grow(B, H, D, values.shape[-1], keys.dtype, need)
+        slots = (mx.array(self.lengths)[:, None] + mx.arange(T)[None, :])[:, None, :, None]
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(slots, values.shape),
+                                        values, axis=2)
+        self.written = T
+        return self.keys[..., :need, :], self.values[..., :need, :]
+
+    def mask(self, tree=None, T=None) -> mx.array:
+        """[B, 1, T, slots] for the pass that appended T positions a row: a row's queries see
+        its own prefix, and among its new positions those `tree` [B, T, T] allows (None:
+        causally, a prefill chunk)."""
+        T = T or self.written
+        lengths = mx.array(self.lengths)[:, None]
+        slot = mx.arange(max(self.lengths) + T)[None, :]
+        prefix = slot < lengths                                        # [B, S]
+        j = slot - lengths                                              # slot's place in the pass
+        inside = (j >= 0) & (j < T)
+        if tree is None:
+            tree = mx.tril(mx.ones((T, T), dtype=mx.bool_))[None]
+        jj = mx.clip(j, 0, T - 1)                                       # [B, S]
+        allowed = mx.take_along_axis(mx.broadcast_to(tree, (len(self.lengths), T, T)),
+                                     mx.broadcast_to(jj[:, None, :], (len(self.lengths), T,
+                                                                      jj.shape[1])), axis=2)
+        return (prefix[:, None, :] | (inside[:, None, :] & allowed))[:, None]
+
+    def commit(self, kept=None) -> None:
+        """End a pass: every row keeps all its new positions (kept None: a prefill chunk) or
+        kept[b], the pass-relative indices of its accepted nodes (root first, parents before
+        children), moved to follow its prefix."""
+        T = self.written
+        if kept is None:
+            self.lengths = [n + T for n in self.lengths]
+        else:
+            width = max(len(k) for k in kept)
+            # per row: source slots (padded by repeating the last: written, then beyond its length)
+            src = mx.array([[n + i for i in k] + [n + k[-1]] * (width - len(k))
+                            for n, k in zip(self.lengths, kept)])
+            dst = mx.array([[n + i for i in range(width)] for n in self.lengths])
+            for name in ("keys", "values"):
+                buf = getattr(self, name)
+                B, H, _, D = buf.shape
+                rows = mx.take_along_axis(buf, mx.broadcast_to(src[:, None, :, None],
+                                                               (B, H, width, D)), axis=2)
+                setattr(self, name, mx.put_along_axis(
+                    buf, mx.broadcast_to(dst[:, None, :, None], (B, H, width, D)), rows, axis=2))
+            self.lengths = [n + len(k) for n, k in zip(self.lengths, kept)]
+        self.written = 0
+
+    def row(self, b: int):
+        """Row b's keys and values [1, heads, lengths[b], D]."""
+        n = self.lengths[b]
+        return self.keys[b: b + 1, :, :n, :], self.values[b: b + 1, :, :n, :]

@@ -23,15 +23,25 @@ def _dynamic_ntk_freqs(rope, seq_len: mx.array) -> mx.array:
 
 
 def apply_rope(rope, x: mx.array, offset: int, positions: Optional[mx.array]) -> mx.array:
-    """Rotate `x` [B, heads, T, D] at positions offset..offset+T-1, or at `positions` [T].
+    """Rotate `x` [B, heads, T, D] at positions offset..offset+T-1, or at `positions` [T]
+    (batch size 1) or [B, T] (each row its own).
 
-    Per-token positions use the fast kernel's per-batch offsets: the T tokens become
-    T batch rows of length 1 (batch size 1 only, which is what decoding runs).
+    Per-token positions use the fast kernel's per-batch offsets: the B x T tokens become
+    B x T batch rows of length 1.
     """
     if positions is None:
         return rope(x, offset=offset)
+    if positions.ndim == 2 and isinstance(rope, mlxlm.DynamicNTKScalingRoPE):
+        # the grown base depends on each sequence's own length: one row at a time
+        return mx.concatenate([apply_rope(rope, x[b: b + 1], 0, positions[b])
+                               for b in range(x.shape[0])])
+    if positions.ndim == 2:
+        B, H, T, D = x.shape
+        flat = apply_rope(rope, x.transpose(0, 2, 1, 3).reshape(1, B * T, H, D)
+                          .transpose(0, 2, 1, 3), 0, positions.reshape(-1))
+        return flat.transpose(0, 2, 1, 3).reshape(B, T, H, D).transpose(0, 2, 1, 3)
     if x.shape[0] != 1:
-        raise ValueError("per-token positions need batch size 1")
+        raise ValueError("per-token positions [T] need batch size 1 (give [B, T])")
     xt = x.transpose(2, 1, 0, 3)  # [T, heads, 1, D]
     if isinstance(rope, mlxlm.DynamicNTKScalingRoPE):
         freqs = _dynamic_ntk_freqs(rope, positions.max() + 1)
