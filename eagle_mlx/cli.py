@@ -84,7 +84,7 @@ def add_lookup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-min-match", type=int, default=None,
                    help="shortest earlier occurrence of the context's end that drafts (default 2)")
     p.add_argument("--lookup-max-draft", type=int, default=None,
-                   help="most tokens a lookup branch copies (default 8)")
+                   help="most tokens a lookup branch copies (default 16)")
 
 
 def lookup_from_args(args):

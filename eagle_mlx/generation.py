@@ -188,8 +188,8 @@ def stream_generate(
         mx.random.seed(seed)
     sampling = SamplingParams(temp, s.top_p, s.top_k, s.min_p)
     if alone and s.speculate is not False:
-        steps = speculative_steps(target, LookupDrafter(lookup), ids, sampling, max_context,
-                                  prompt_cache=prompt_cache)
+        steps = speculative_steps(target, LookupDrafter(lookup, target.tree_node_limit()), ids,
+                                  sampling, max_context, prompt_cache=prompt_cache)
     elif not speculate:
         steps = plain_steps(target, ids, sampling, max_context, prompt_cache=prompt_cache)
     elif lookup is not None:

@@ -42,8 +42,8 @@ class LookupSettings:
     max_draft: the most tokens a branch copies; branches: the most distinct continuations;
     accept: per-token acceptance by match length (the benchmark's calibration)."""
 
-    min_match: int = 2
-    max_draft: int = 8
+    min_match: int = 2   # measured best of 1, 2, 3 (scripts/bench_lookup.py; README)
+    max_draft: int = 16  # measured best of 4, 8, 16
     branches: int = 3
     accept: Dict[int, float] = field(default_factory=lambda: dict(DEFAULT_ACCEPT))
     # where given, drafters count per match length [tokens accepted, tokens tried] of
@@ -204,9 +204,14 @@ class LookupDrafter(Drafter):
 
     features = None
 
-    def __init__(self, settings: Optional[LookupSettings] = None):
+    def __init__(self, settings: Optional[LookupSettings] = None, budget: Optional[int] = None):
         self.settings = settings or LookupSettings()
         self.max_depth = self.settings.max_draft
+        # nodes a tree may have: the branches', within the target's bound (a hybrid's
+        # recurrent states per node, `Target.tree_node_limit`)
+        self.budget = 1 + self.settings.branches * self.settings.max_draft
+        if budget is not None:
+            self.budget = max(2, min(self.budget, budget))
 
     @property
     def owner(self):
@@ -252,7 +257,7 @@ class LookupDrafter(Drafter):
         self.catch_up(state, tokens)
         trie = _Trie()
         self.add_to(trie, state)
-        return trie.tree(int(root.item()), 1 + self.settings.branches * self.settings.max_draft)
+        return trie.tree(int(root.item()), self.budget)
 
 
 class MergedDrafter(Drafter):
