@@ -143,7 +143,6 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
     check_head_config(config, path)
     eagle = config.get("eagle") or {}
     kind = eagle.get("kind") or detect_kind(weights, path)
-    weights = dict(weights)
     if kind == "eagle3":
         _draft_mapping(weights, path)
     else:

@@ -98,11 +98,10 @@ def lookup_from_args(args):
             raise UsageError(f"--lookup-{given[0].replace('_', '-')} needs --lookup.")
         return None
     settings = LookupSettings(**{k: v for k, v in extra.items() if v is not None})
-    for k in given:
-        if not 1 <= extra[k] <= 256:
-            raise UsageError(f"--lookup-{k.replace('_', '-')} must be from 1 to 256 "
-                             f"(got {extra[k]}).")
-    return settings
+    try:
+        return settings.check(name=lambda field: f"--lookup-{field.replace('_', '-')}")
+    except EagleError as e:
+        raise UsageError(str(e)) from None
 
 
 def add_draft_vocab_args(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from .drafters import Drafter
-from .tree import Tree, ancestors
+from .tree import Tree, tree_from_parents
 
 # per-token acceptance of a lookup draft by match length (the largest key at most the match;
 # capped at MAX_MATCH_KEY): what `python -m eagle_mlx.benchmark --lookup` measured on the
@@ -54,14 +54,17 @@ class LookupSettings:
         keys = sorted(k for k in self.accept if k <= min(match, MAX_MATCH_KEY))
         return self.accept[keys[-1]] if keys else min(self.accept.values())
 
-    def check(self) -> None:
+    def check(self, name=lambda field: f"lookup {field}") -> "LookupSettings":
+        """Every setting in range, one sentence otherwise (`name`: how a setting is called,
+        e.g. its command-line flag)."""
         from .errors import EagleError
 
-        for name, value, low in (("min_match", self.min_match, 1), ("max_draft", self.max_draft, 1),
-                                 ("branches", self.branches, 1)):
-            if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= 256):
-                raise EagleError(f"lookup {name} must be a whole number from {low} to 256 "
+        for field_, value in (("min_match", self.min_match), ("max_draft", self.max_draft),
+                              ("branches", self.branches)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 256):
+                raise EagleError(f"{name(field_)} must be a whole number from 1 to 256 "
                                  f"(got {value!r}).")
+        return self
 
 
 class SuffixAutomaton:
@@ -126,17 +129,13 @@ class SuffixAutomaton:
         return out
 
 
-def build_tree(root: int, nodes: List[Tuple[int, int, float]]) -> Tree:
-    """A Tree from (token, parent index, score) triples, parents first (root = index 0)."""
-    tokens = [root] + [t for t, _, _ in nodes]
-    parents = [0] + [p for _, p, _ in nodes]
-    depth = [0] * len(tokens)
-    for i in range(1, len(tokens)):
-        depth[i] = depth[parents[i]] + 1
-    parents_mx = mx.array(parents, dtype=mx.int32)
-    anc = ancestors(parents_mx, max(depth))
-    return Tree(mx.array(tokens, dtype=mx.int32), parents_mx, anc, mx.array(depth, dtype=mx.int32),
-                mx.array([0.0] + [s for _, _, s in nodes], dtype=mx.float32))
+def build_tree(root: int, nodes: List[Tuple[int, int, float]], max_depth: int) -> Tree:
+    """A Tree from (token, parent index, score) triples, parents first (root = index 0),
+    at most `max_depth` below the root."""
+    return tree_from_parents(mx.array([root] + [t for t, _, _ in nodes], dtype=mx.int32),
+                             mx.array([0] + [p for _, p, _ in nodes], dtype=mx.int32),
+                             mx.array([0.0] + [s for _, _, s in nodes], dtype=mx.float32),
+                             max_depth)
 
 
 class _Trie:
@@ -173,7 +172,7 @@ class _Trie:
                 continue
             place[path] = len(nodes) + 1
             nodes.append((path[-1], place[path[:-1]], math.log(max(score[i], 1e-30))))
-        return build_tree(root, nodes)
+        return build_tree(root, nodes, max((len(self.paths[i]) for i in keep), default=0))
 
 
 class LookupState:

@@ -75,7 +75,8 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
         lookup.check()
     t, tokenizer = load_target(target, lazy=lazy, dtype=dtype, group=group)
     if eagle is None:
-        return EagleModel(t, group=group, lookup=_calibrated(lookup, t)), tokenizer
+        tuning = read_tuning(None, t.path, t.dtype) if lookup is not None else None
+        return EagleModel(t, group=group, lookup=_calibrated(lookup, tuning)), tokenizer
     head = load_head(eagle, t)
     if convert_to is not None:
         convert_dtype(head, convert_to)
@@ -87,20 +88,18 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
         draft_vocab = tuning["draft_vocab"]  # the benchmark's choice on this machine
     if draft_vocab:
         attach_draft_vocab(head, t, tokenizer, draft_vocab, draft_vocab_data)
-    if lookup is not None and tuning and tuning.get("lookup_accept"):
-        lookup.accept = {int(k): float(v) for k, v in tuning["lookup_accept"].items()}
-    return EagleModel(t, head, str(path), tuning, group, lookup), tokenizer
+    return EagleModel(t, head, str(path), tuning, group, _calibrated(lookup, tuning)), tokenizer
 
 
-def _calibrated(lookup, target):
-    """Lookup settings with the benchmark's acceptance by match length for this target
-    (measured without a head), where it measured one."""
-    if lookup is None:
-        return None
-    tuning = read_tuning(None, target.path, target.dtype)
-    if tuning and tuning.get("lookup_accept"):
-        lookup.accept = {int(k): float(v) for k, v in tuning["lookup_accept"].items()}
-    return lookup
+def _calibrated(lookup, tuning):
+    """Lookup settings with the acceptance by match length the benchmark measured (stored
+    with the head's tuning, or the target's alone without a head), where it measured one;
+    the caller's settings object is left as it is."""
+    if lookup is None or not (tuning and tuning.get("lookup_accept")):
+        return lookup
+    from dataclasses import replace
+
+    return replace(lookup, accept={int(k): float(v) for k, v in tuning["lookup_accept"].items()})
 
 
 def attach_draft_vocab(head, target, tokenizer, n, data=None) -> None:
