@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cli import (ArgumentParser, UsageError, add_model_args, chat_prompt, flag_name,
-                  load_from_args, run_cli)
+                  load_from_args, lookup_from_args, run_cli)
 from .errors import EagleError
 from .values import GenerationSettings
 from .outputs import atomic_file, check_out_file
@@ -389,6 +389,7 @@ def check_args(args):
         GenerationSettings(seed=args.seed).check(name=flag_name)
     except EagleError as e:
         raise UsageError(str(e)) from None
+    lookup_from_args(args)  # the lookup settings, before prompts or the model load
     trees = parse_trees(args.trees)
     if args.draft_vocabs is not None and any(n < 0 for n in args.draft_vocabs):
         raise UsageError(f"--draft-vocabs must be 0 (the whole vocabulary) or positive sizes "

@@ -43,6 +43,18 @@ def world(tmp_path_factory):
         for weights in head.iterdir():
             if weights.name != "config.json":
                 (folder / weights.name).write_bytes(weights.read_bytes())
+    # a speculators head with a flag this head does not know, and a Qwen3.5 checkpoint
+    # without the MTP module an --eagle pointing at it asks for
+    spec = root / "head_spec_flag"
+    spec.mkdir()
+    (spec / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "norm_before_attn": True,
+        "transformer_layer_config": {"model_type": "llama", "hidden_size": 64}}))
+    (spec / "pytorch_model.bin").write_bytes((head / "pytorch_model.bin").read_bytes())
+    from conftest import HYBRID_TARGETS
+
+    make_hf_model(root / "qwen35_no_mtp", "qwen3_5", seed=5, vocab_size=64,
+                  **HYBRID_TARGETS["qwen3_5"][1])
     data = root / "data.json"
     data.write_text(json.dumps([{"id": str(i), "conversations": [
         {"from": "human", "value": "t5 t6 t7"}, {"from": "gpt", "value": "t8 t9 t10 t11"}]}
@@ -95,6 +107,15 @@ CASES = [
      '"eagle" must be an object'),
     ("generate", ["--model", "{T}", "--eagle", "{R}/head_hidden_big", "--prompt", "t5"], 1,
      '"hidden_size" must be a positive whole number'),
+    ("generate", ["--model", "{T}", "--eagle", "{R}/head_spec_flag", "--prompt", "t5"], 1,
+     '"norm_before_attn" is not one this head knows'),
+    ("generate", ["--model", "{T}", "--eagle", "{R}/qwen35_no_mtp", "--prompt", "t5"], 1,
+     "has no mtp.* tensors"),
+    ("generate", GEN + ["--lookup", "--lookup-min-match", "0"], 2, "--lookup-min-match"),
+    ("generate", GEN + ["--lookup", "--lookup-max-draft", "100000"], 2, "--lookup-max-draft"),
+    ("generate", GEN + ["--lookup", "--lookup-max-draft", "nan"], 2, "--lookup-max-draft"),
+    ("generate", GEN + ["--lookup-max-draft", "4"], 2, "--lookup-max-draft needs --lookup"),
+    ("chat", ["--model", "{T}", "--lookup", "--lookup-min-match", "-3"], 2, "--lookup-min-match"),
     ("chat", ["--model", "{T}", "--seed", "-5"], 2, "--seed"),
     ("chat", ["--model", "{T}", "--temp", "nan"], 2, "--temp"),
     ("convert", ["--mlx-path", "{R}/out"], 2, "give --eagle"),
@@ -135,6 +156,8 @@ CASES = [
     ("benchmark", BENCH + ["--plot", "{R}/existing"], 1, "--plot"),
     ("benchmark", BENCH + ["--max-tokens", "100"], 2, "no room for a prompt"),
     ("benchmark", BENCH + ["--draft-vocabs", "8192", "-1"], 2, "--draft-vocabs"),
+    ("benchmark", BENCH + ["--lookup", "--lookup-max-draft", "0"], 2, "--lookup-max-draft"),
+    ("server", ["--model", "{T}", "--lookup", "--lookup-min-match", "0"], 2, "--lookup-min-match"),
     ("server", ["--model", "{T}", "--port", "70000"], 2, "--port"),
     ("server", ["--model", "{T}", "--max-body-bytes", "10"], 2, "--max-body-bytes"),
     ("server", ["--model", "{T}", "--max-tokens", "0"], 2, "--max-tokens"),
@@ -252,6 +275,10 @@ def test_api_load_refuses_non_paths(world):
         eagle_mlx.load(str(target), eagle=3)
     with pytest.raises(EagleError, match="dtype must be one of"):
         eagle_mlx.load(str(target), dtype="hot")
+    with pytest.raises(EagleError, match="lookup must be True, False or an"):
+        eagle_mlx.load(str(target), lookup="yes")
+    with pytest.raises(EagleError, match="lookup max_draft must be a whole number"):
+        eagle_mlx.load(str(target), lookup=eagle_mlx.LookupSettings(max_draft=0))
 
 
 def _run(args, **kw):
