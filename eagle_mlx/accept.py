@@ -61,13 +61,22 @@ def _accept_greedy(tokens, parents, anc, depth, logits):
     return best, best_next[best]
 
 
-def accept_sampling(tree: Tree, logprobs: mx.array):
-    """logprobs [N, V] (processed target distributions) -> (deepest accepted node, next token)."""
+def accept_sampling(tree: Tree, logprobs: mx.array, key=None):
+    """logprobs [N, V] (processed target distributions) -> (deepest accepted node, next token).
+    key: the random key of this draw (None: MLX's global random state)."""
+    if key is not None:
+        return compiled(_accept_sampling_keyed)(tree.tokens, tree.parents, tree.anc, tree.depth,
+                                                logprobs, key)
     return compiled(_accept_sampling, random=True)(tree.tokens, tree.parents, tree.anc,
                                                    tree.depth, logprobs)
 
 
-def _accept_sampling(tokens, parents, anc, depth, logprobs):
+def _accept_sampling_keyed(tokens, parents, anc, depth, logprobs, key):
+    keys = mx.random.split(key)
+    return _accept_sampling(tokens, parents, anc, depth, logprobs, keys[0], keys[1])
+
+
+def _accept_sampling(tokens, parents, anc, depth, logprobs, key_u=None, key_c=None):
     n = tokens.shape[0]
     probs = mx.exp(logprobs)
     idx = mx.arange(n)
@@ -77,7 +86,7 @@ def _accept_sampling(tokens, parents, anc, depth, logprobs):
     mass_before = (earlier_sibling * p_draft[None, :]).sum(axis=1)
     left = 1.0 - mass_before
     ratio = mx.where(left > 0, p_draft / mx.maximum(left, 1e-30), 0.0)
-    passed = mx.random.uniform(shape=(n,)) < ratio
+    passed = mx.random.uniform(shape=(n,), key=key_u) < ratio
     # tried in order: a node is taken only when no earlier sibling was
     taken = passed & ~(earlier_sibling & passed[None, :]).any(axis=1)
     best = _deepest(anc, depth, taken | (idx == 0))
@@ -85,4 +94,25 @@ def _accept_sampling(tokens, parents, anc, depth, logprobs):
     zeroed = mx.zeros((probs.shape[-1],)).at[tokens].add(children.astype(mx.float32)) > 0
     residual = mx.where(zeroed, 0.0, probs[best])
     residual = mx.where(residual.sum() > 0, residual, probs[best])
-    return best, mx.random.categorical(mx.log(residual))
+    return best, mx.random.categorical(mx.log(residual), key=key_c)
+
+
+class KeyChain:
+    """The random keys of one sequence's draws, one after another from a start key: a
+    sequence draws the same numbers whether it runs alone or in a batch (MLX's global
+    state would interleave the rows' draws). `start(seed)`: from a seed, or (None) from
+    MLX's global random state (which `mx.random.seed` makes reproducible)."""
+
+    def __init__(self, key: mx.array):
+        self.key = key
+
+    @classmethod
+    def start(cls, seed=None) -> "KeyChain":
+        if seed is None:  # (a key is any pair of 32-bit words)
+            return cls(mx.random.randint(0, 2**31 - 1, (2,)).astype(mx.uint32))
+        return cls(mx.random.key(int(seed)))
+
+    def next(self) -> mx.array:
+        keys = mx.random.split(self.key)
+        self.key = keys[0]
+        return keys[1]

@@ -215,20 +215,29 @@ class HeadCache:
 
 
 class RaggedKVCache:
-    """One attention layer's cache for a batch of sequences of different lengths (the
-    building block of batched speculation): buffers [B, heads, slots, D] with row b's
-    positions in slots 0..lengths[b]-1, each row's new positions (a prefill chunk, or a
-    tree padded to the batch's widest) written at its own length, and each row's accepted
-    tree rows kept in place — per row only the slots it appends or keeps are written, the
-    batch is never copied. `mask` gives the [B, 1, T, slots] boolean mask of the pass that
-    wrote (every row's own prefix, then its tree's ancestors); `commit` ends a pass."""
+    """One attention layer's cache for a batch of sequences of different lengths (batched
+    speculation): buffers [B, heads, slots, D] where row b's slot s holds position
+    `bases[b] + s` for the positions `bases[b]..lengths[b]-1` it holds (a row joined from a
+    sliding-window cache starts at that cache's base), each row's new positions (a tree
+    padded to the batch's widest) written after its own, and each row's accepted tree rows
+    kept in place — per row only the slots it appends or keeps are written, the batch is
+    never copied by a cycle. `mask` gives the [B, 1, T, slots] boolean mask of a pass (each
+    row's own prefix — within `window` of each query for a sliding layer — then its tree's
+    ancestors); `commit` ends the pass. Rows join (`extend`, from a sequence's own cache
+    after its prefill) and leave (`filter`) between cycles."""
 
     step = 256
+    offset = 0  # (mlx-lm's modules read it for RoPE; a batch gives positions instead)
 
-    def __init__(self, lengths):
+    def __init__(self, lengths=(), bases=None):
         self.lengths = [int(n) for n in lengths]
+        self.bases = [0] * len(self.lengths) if bases is None else [int(b) for b in bases]
         self.keys = self.values = None
         self.written = 0  # positions the current pass appended per row
+
+    @property
+    def held(self):
+        return [n - b for n, b in zip(self.lengths, self.bases)]
 
     def _grow(self, B, H, D, Dv, dtype, need):
         have = 0 if self.keys is None else self.keys.shape[2]
@@ -240,49 +249,59 @@ class RaggedKVCache:
         self.values = v if self.values is None else mx.concatenate([self.values, v], axis=2)
 
     def update_and_fetch(self, keys, values):
-        """keys/values [B, heads, T, D]: row b's T new positions go to slots lengths[b]..;
+        """keys/values [B, heads, T, D]: row b's T new positions go after what it holds;
         returns every slot any row uses (rows' masks hide the others)."""
         B, H, T, D = keys.shape
-        need = max(self.lengths) + T
+        need = max(self.held) + T
         self._grow(B, H, D, values.shape[-1], keys.dtype, need)
-        slots = (mx.array(self.lengths)[:, None] + mx.arange(T)[None, :])[:, None, :, None]
+        slots = (mx.array(self.held)[:, None] + mx.arange(T)[None, :])[:, None, :, None]
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(slots, values.shape),
                                         values, axis=2)
         self.written = T
         return self.keys[..., :need, :], self.values[..., :need, :]
 
-    def mask(self, tree=None, T=None) -> mx.array:
-        """[B, 1, T, slots] for the pass that appended T positions a row: a row's queries see
-        its own prefix, and among its new positions those `tree` [B, T, T] allows (None:
-        causally, a prefill chunk)."""
+    def mask(self, tree=None, T=None, window=None, positions=None) -> mx.array:
+        """[B, 1, T, slots] for a pass appending T positions a row (asked before or after
+        the update): a row's queries see its own prefix, and among its new positions those
+        `tree` [B, T, T] allows (None: causally). window: a sliding layer's W, with
+        `positions` [B, T] the queries' positions: a query at p sees keys at p-W+1..p."""
         T = T or self.written
-        lengths = mx.array(self.lengths)[:, None]
-        slot = mx.arange(max(self.lengths) + T)[None, :]
-        prefix = slot < lengths                                        # [B, S]
-        j = slot - lengths                                              # slot's place in the pass
+        B = len(self.lengths)
+        held = mx.array(self.held)[:, None]
+        slot = mx.arange(max(self.held) + T)[None, :]
+        prefix = slot < held                                            # [B, S]
+        j = slot - held                                                 # slot's place in the pass
         inside = (j >= 0) & (j < T)
         if tree is None:
             tree = mx.tril(mx.ones((T, T), dtype=mx.bool_))[None]
         jj = mx.clip(j, 0, T - 1)                                       # [B, S]
-        allowed = mx.take_along_axis(mx.broadcast_to(tree, (len(self.lengths), T, T)),
-                                     mx.broadcast_to(jj[:, None, :], (len(self.lengths), T,
-                                                                      jj.shape[1])), axis=2)
-        return (prefix[:, None, :] | (inside[:, None, :] & allowed))[:, None]
+        allowed = mx.take_along_axis(mx.broadcast_to(tree, (B, T, T)),
+                                     mx.broadcast_to(jj[:, None, :], (B, T, jj.shape[1])), axis=2)
+        mask = prefix[:, None, :] | (inside[:, None, :] & allowed)
+        if window is not None:
+            if positions is None:
+                positions = mx.array(self.lengths)[:, None] + mx.arange(T)[None, :]
+            bases = mx.array(self.bases)[:, None]
+            kpos = mx.where(prefix, bases + slot,
+                            mx.take_along_axis(positions, jj, axis=1))     # [B, S]
+            mask = mask & ((positions[:, :, None] - kpos[:, None, :]) < window)
+        return mask[:, None]
 
     def commit(self, kept=None) -> None:
-        """End a pass: every row keeps all its new positions (kept None: a prefill chunk) or
-        kept[b], the pass-relative indices of its accepted nodes (root first, parents before
-        children), moved to follow its prefix."""
+        """End a pass: every row keeps all its new positions (kept None) or kept[b], the
+        pass-relative indices of its accepted nodes (root first, parents before children),
+        moved to follow its prefix."""
         T = self.written
         if kept is None:
             self.lengths = [n + T for n in self.lengths]
         else:
             width = max(len(k) for k in kept)
-            # per row: source slots (padded by repeating the last: written, then beyond its length)
+            # per row: source slots (padded by repeating the last)
             src = mx.array([[n + i for i in k] + [n + k[-1]] * (width - len(k))
-                            for n, k in zip(self.lengths, kept)])
-            dst = mx.array([[n + i for i in range(width)] for n in self.lengths])
+                            for n, k in zip(self.held, kept)])
+            dst = mx.array([[n + min(i, len(k) - 1) for i in range(width)]
+                            for n, k in zip(self.held, kept)])
             for name in ("keys", "values"):
                 buf = getattr(self, name)
                 B, H, _, D = buf.shape
@@ -294,6 +313,77 @@ class RaggedKVCache:
         self.written = 0
 
     def row(self, b: int):
-        """Row b's keys and values [1, heads, lengths[b], D]."""
-        n = self.lengths[b]
+        """Row b's keys and values [1, heads, held, D] (positions bases[b]..lengths[b]-1)."""
+        n = self.held[b]
         return self.keys[b: b + 1, :, :n, :], self.values[b: b + 1, :, :n, :]
+
+    def extend(self, cache) -> None:
+        """Add a row: a sequence's own cache (`TreeKVCache` / `WindowKVCache`) after its
+        prefill, its positions copied once."""
+        n, base = cache.offset, getattr(cache, "base", 0)
+        k, v = cache.keys[..., : n - base, :], cache.values[..., : n - base, :]
+        if self.keys is None or not self.lengths:
+            H, D, Dv = k.shape[1], k.shape[3], v.shape[3]
+            self.keys = mx.zeros((0, H, 0, D), k.dtype)
+            self.values = mx.zeros((0, H, 0, Dv), v.dtype)
+        width = max(self.keys.shape[2], ((n - base + self.step - 1) // self.step + 1) * self.step)
+        pad = lambda a, s: mx.pad(a, [(0, 0), (0, 0), (0, width - s), (0, 0)])  # noqa: E731
+        self.keys = mx.concatenate([pad(self.keys, self.keys.shape[2]), pad(k, n - base)])
+        self.values = mx.concatenate([pad(self.values, self.values.shape[2]),
+                                      pad(v, n - base)])
+        self.lengths.append(n)
+        self.bases.append(base)
+
+    def filter(self, rows) -> None:
+        """Keep only `rows` (indices, in order): the others have left the batch."""
+        idx = mx.array(list(rows), dtype=mx.int32)
+        if self.keys is not None:
+            self.keys, self.values = self.keys[idx], self.values[idx]
+        self.lengths = [self.lengths[i] for i in rows]
+        self.bases = [self.bases[i] for i in rows]
+
+    def arrays(self):
+        return () if self.keys is None else (self.keys, self.values)
+
+
+class BatchRecurrentCache:
+    """A linear-attention layer's caches for a batch: each row's convolution window [B, K-1,
+    C] and recurrent state [B, Hv, Dv, Dk] stacked, and between a tree verify and its
+    acceptance every node's state and projected row ([B, T, ...], `pending`)."""
+
+    offset = 0
+
+    def __init__(self, conv_rows: int):
+        self.conv_rows = conv_rows
+        self.windows = self.states = None
+        self.pending = None
+
+    def extend(self, cache) -> None:
+        """Add a row: a sequence's own `RecurrentCache` after its prefill."""
+        w, s = cache[0], cache[1]
+        self.windows = w if self.windows is None else mx.concatenate([self.windows, w])
+        self.states = s if self.states is None else mx.concatenate([self.states, s])
+
+    def filter(self, rows) -> None:
+        idx = mx.array(list(rows), dtype=mx.int32)
+        self.windows, self.states = self.windows[idx], self.states[idx]
+
+    def commit(self, kept) -> None:
+        """Each row keeps the state of its deepest accepted node and the window ending at it
+        (kept[b]: the pass-relative indices of its accepted nodes, root first)."""
+        states, rows = self.pending            # [B, T, Hv, Dv, Dk], [B, T, C]
+        K1 = self.conv_rows
+        last = mx.array([[k[-1]] for k in kept])
+        self.states = mx.take_along_axis(states, last[:, :, None, None, None], axis=1)[:, 0]
+        # the last K-1 of (held window, accepted rows)
+        width = max(len(k) for k in kept)
+        path = mx.array([k + [k[-1]] * (width - len(k)) for k in kept])
+        accepted = mx.take_along_axis(rows, path[:, :, None], axis=1)        # [B, width, C]
+        joined = mx.concatenate([self.windows, accepted], axis=1)
+        ends = mx.array([K1 + len(k) for k in kept])
+        pick = ends[:, None] - K1 + mx.arange(K1)[None, :]
+        self.windows = mx.take_along_axis(joined, pick[:, :, None], axis=1)
+        self.pending = None
+
+    def arrays(self):
+        return () if self.states is None else (self.windows, self.states)

@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .accept import accept_greedy, accept_sampling, process_logits
+from .accept import KeyChain, accept_greedy, accept_sampling, process_logits
 from .tree import Tree
 
 
@@ -45,11 +45,12 @@ class SamplingParams:
         """The distribution tokens are drawn from, as normalised log-probabilities."""
         return process_logits(logits, self.temp, self.top_p, self.top_k, self.min_p)
 
-    def pick(self, logits: mx.array) -> mx.array:
-        """The next token from target logits (or log-probabilities) [V]."""
+    def pick(self, logits: mx.array, key=None) -> mx.array:
+        """The next token from target logits (or log-probabilities) [V]; key: the draw's
+        random key (None: MLX's global random state)."""
         if self.temp == 0:
             return logits.argmax(axis=-1)
-        return mx.random.categorical(self.logprobs(logits))
+        return mx.random.categorical(self.logprobs(logits), key=key)
 
 
 # a stream for generation work, as mlx-lm's (a thread-local one: every thread that
@@ -69,6 +70,10 @@ class State:
     tokens: Optional[mx.array] = None   # [m] the tokens that follow them, the root last
     root: Optional[mx.array] = None     # the last sampled token: node 0 of the next tree
     history: List[int] = field(default_factory=list)  # every token fed or to feed, root last
+    keys: Optional[KeyChain] = None     # the sequence's random keys (None: MLX's global state)
+
+    def key(self):
+        return None if self.keys is None else self.keys.next()
 
 
 @dataclass
@@ -101,20 +106,29 @@ class Engine:
     def prefill(self, state: State, prompt: Sequence[int], start: int = 0) -> int:
         """Feed prompt[start:] (the caches hold prompt[:start], and `state.feats` the
         features the drafter has not seen of those) in chunks; sample the root token."""
+        for _ in self.prefill_chunks(state, prompt, start):
+            pass
+        return state.history[-1]
+
+    def prefill_chunks(self, state: State, prompt: Sequence[int], start: int = 0,
+                       chunk: int = PREFILL_STEP_SIZE):
+        """`prefill` one chunk of `chunk` tokens at a time: yields after each chunk but the
+        last (the caller may run other work between them)."""
         target = self.target
         prompt_ids = mx.array(list(prompt))
         chunks = [] if state.feats is None else [state.feats]
         with mx.stream(generation_stream):
-            for a in range(start, len(prompt), PREFILL_STEP_SIZE):
-                hidden, tapped = target(prompt_ids[None, a: a + PREFILL_STEP_SIZE],
-                                        state.caches, taps=self.taps)
+            for a in range(start, len(prompt), chunk):
+                hidden, tapped = target(prompt_ids[None, a: a + chunk], state.caches,
+                                        taps=self.taps)
                 f = self._features(hidden, tapped)
                 if f is not None:
                     chunks.append(f)
-                if a + PREFILL_STEP_SIZE < len(prompt):
+                if a + chunk < len(prompt):
                     mx.eval(hidden, chunks, target.cache_arrays(state.caches))
                     mx.clear_cache()
-            root = self.sampling.pick(target.lm_head(hidden[0, -1]))
+                    yield
+            root = self.sampling.pick(target.lm_head(hidden[0, -1]), state.key())
             state.feats = (mx.concatenate(chunks) if len(chunks) > 1 else chunks[0]) \
                 if chunks else None   # [n - drafter offset, F]
             seen = self.drafter.offset(state.drafter)
@@ -123,14 +137,13 @@ class Engine:
         state.n, state.root = len(prompt), root
         root_token = root.item()  # SYNC: the first token is output now
         state.history = list(prompt) + [root_token]
-        return root_token
 
     # ---------------------------------------------------------------- the cycle
     def cycle(self, state: State) -> Step:
         with mx.stream(generation_stream):
             tree = self.draft(state)
             verified = self.verify(state, tree)
-            accepted = self.accept(tree, verified)
+            accepted = self.accept(tree, verified, state.key())
             step = self.update(state, tree, verified, accepted)
             # the device keeps the accepted rows while the caller handles the tokens
             # (mlx-lm's async_eval pattern): the next cycle starts from evaluated caches
@@ -155,12 +168,13 @@ class Engine:
                                      max_depth=self.drafter.max_depth)
         return Verified(hidden, tapped, self.target.lm_head(hidden[0]))   # logits [size, V]
 
-    def accept(self, tree: Tree, verified: Verified):
-        """3. the deepest node whose whole path the target agrees with, and the bonus token."""
+    def accept(self, tree: Tree, verified: Verified, key=None):
+        """3. the deepest node whose whole path the target agrees with, and the bonus token
+        (key: the draw's random key when sampling)."""
         if self.sampling.temp == 0:
             best, bonus = accept_greedy(tree, verified.logits)
         else:
-            best, bonus = accept_sampling(tree, self.sampling.logprobs(verified.logits))
+            best, bonus = accept_sampling(tree, self.sampling.logprobs(verified.logits), key)
         return tree.anc[best], bonus
 
     def update(self, state: State, tree: Tree, verified: Verified, accepted) -> Step:
@@ -169,10 +183,16 @@ class Engine:
         # SYNC (once per cycle): which nodes were accepted, and the next root token
         mx.eval(path_mask, tree.tokens, bonus)
         path = np.flatnonzero(np.array(path_mask)).tolist()  # root first: parents precede
+        self.target.accept(state.caches, state.n, state.n + mx.array(path))
+        return self.advance(state, tree, verified, path, bonus.item())
+
+    def advance(self, state: State, tree: Tree, verified: Verified, path: List[int],
+                root_token: int) -> Step:
+        """The state after acceptance kept `path` (tree nodes, root first) of the target's
+        caches and sampled `root_token`: the features, tokens and position the drafter and
+        the next cycle read."""
         tokens = tree.tokens.tolist()
-        root_token = bonus.item()
         path_idx = mx.array(path)
-        self.target.accept(state.caches, state.n, state.n + path_idx)
         state.n += len(path)
         f = self._features(verified.hidden, verified.tapped)
         state.feats = None if f is None else f[path_idx]
@@ -187,7 +207,7 @@ class Engine:
         with mx.stream(generation_stream):
             hidden, _ = self.target(state.root.reshape(1, 1), state.caches)
             state.n += 1
-            state.root = self.sampling.pick(self.target.lm_head(hidden[0, -1]))
+            state.root = self.sampling.pick(self.target.lm_head(hidden[0, -1]), state.key())
         token = state.root.item()  # SYNC: one token per step here
         state.history.append(token)
         return Step([token], 0)

@@ -25,7 +25,8 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import RecurrentCache, TreeKVCache, WindowKVCache
+from .cache import BatchRecurrentCache, RaggedKVCache, RecurrentCache, TreeKVCache, \
+    WindowKVCache
 from .errors import EagleError
 from .layers import apply_rope, attention
 
@@ -35,10 +36,11 @@ class Forward:
     it was given, each kind of layer's mask (made once, by the first layer of that kind,
     before its cache grows) and what KV-shared layers read."""
 
-    def __init__(self, T: int, n: int, positions: Optional[mx.array], mask):
+    def __init__(self, T: int, n: int, positions: Optional[mx.array], mask, tree=None):
         self.T, self.n = T, n
         self.positions = positions           # None: n .. n+T-1
         self.mask = mask                     # None/"causal" or bool [T, n + T]
+        self.tree = tree                     # a batch's trees [B, T, T] (then n: [B] lengths)
         self.masks = {}                      # window (None: full) -> this forward's mask
         self.kv = {}                         # layer -> ((keys, values), offset) it computed
         self.extra = None                    # the family's per-forward inputs
@@ -87,9 +89,16 @@ class AttentionMechanism(Mechanism):
             return None
         return TreeKVCache() if self.window is None else WindowKVCache(self.window)
 
+    def make_batch_cache(self):
+        return None if self.source is not None else RaggedKVCache()
+
     def mask(self, fwd: Forward, cache):
         if self.window in fwd.masks:
             return fwd.masks[self.window]
+        if fwd.tree is not None:  # a batch: each row's prefix (within the window), its tree
+            mask = cache.mask(fwd.tree, fwd.T, self.window, fwd.positions)
+            fwd.masks[self.window] = mask
+            return mask
         mask = fwd.mask
         if mask is None and fwd.T > 1:
             mask = "causal"
@@ -124,6 +133,9 @@ class LinearAttentionMechanism(Mechanism):
     def make_cache(self):
         return RecurrentCache(self.kernel - 1)
 
+    def make_batch_cache(self):
+        return BatchRecurrentCache(self.kernel - 1)
+
     def mask(self, fwd: Forward, cache):
         return None
 
@@ -137,9 +149,65 @@ def tree_ancestors(fwd: Forward):
 
 def ancestor_at(depth: mx.array, anc: mx.array, up: int) -> mx.array:
     """For each node, the index of its ancestor `up` levels above it (itself for up = 0;
-    meaningless where the node is less deep than that)."""
-    match = anc & (depth[None, :] == (depth[:, None] - up))
-    return mx.argmax(match.astype(mx.int32), axis=1)
+    meaningless where the node is less deep than that). depth [..., T], anc [..., T, T]
+    (a batch of trees: one per row)."""
+    match = anc & (depth[..., None, :] == (depth[..., :, None] - up))
+    return mx.argmax(match.astype(mx.int32), axis=-1)
+
+
+def _delta_rounds(attn, windows, z, b, a, start, parent, rounds):
+    """The Gated DeltaNet recurrence over N tree nodes at once (batch N, one step), each
+    node's convolution window given [N, K, conv_dim] and its parent's state read from
+    concat(start, states)[parent] (start: the cached states the roots follow). Returns
+    (normed output [N, 1, Hv*Dv], every node's state)."""
+    from .mlxlm import gated_delta_update, normalize_qk
+
+    N = windows.shape[0]
+    conv = nn.silu(attn.conv1d(windows))                                 # [N, 1, conv_dim]
+    q, k, v = [t.reshape(N, 1, h, d) for t, h, d in zip(
+        mx.split(conv, [attn.key_dim, 2 * attn.key_dim], -1),
+        [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
+        [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim])]
+    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim ** -0.5, eps=1e-6)
+    states = mx.broadcast_to(start[:1], (N, *start.shape[1:]))
+    for _ in range(rounds):
+        incoming = mx.concatenate([start, states])[parent]
+        out, states = gated_delta_update(q, k, v, a[:, None], b[:, None], attn.A_log,
+                                         attn.dt_bias, incoming)
+    return attn.norm(out, z[:, None]), states
+
+
+def _windows(held, rows, depth, anc, K):
+    """Each node's convolution window, oldest first: its ancestors K-1 .. 1 levels up (or
+    the held rows before the root), itself. held [K-1, C], rows [T, C] -> [T, K, C]."""
+    T = rows.shape[0]
+    picks = []
+    for up in range(K - 1, 0, -1):
+        in_tree = (K - 1) + ancestor_at(depth, anc, up)
+        picks.append(mx.where(depth >= up, in_tree, (K - 1) - (up - depth)))
+    picks.append((K - 1) + mx.arange(T))
+    return mx.concatenate([held, rows])[mx.stack(picks, axis=1)]
+
+
+def batch_tree_gated_delta(attn, rows, z, b, a, cache, fwd: Forward) -> mx.array:
+    """`tree_gated_delta` for a batch of trees: rows [B, T, conv_dim], z [B, T, Hv, Dv],
+    b, a [B, T, Hv]; every row's nodes start from its own cached window and state
+    (`BatchRecurrentCache`), all B x T nodes in one recurrence. Leaves every node's state
+    and row in `cache.pending`. Returns [B, T, H]."""
+    B, T, K = rows.shape[0], rows.shape[1], attn.conv_kernel_size
+    depth = fwd.positions - mx.array(fwd.n)[:, None]
+    anc = fwd.tree
+    windows = mx.concatenate([_windows(cache.windows[i], rows[i], depth[i], anc[i], K)[None]
+                              for i in range(B)]).reshape(B * T, K, -1)
+    # parents: the row's cached state (index b) or the node's parent (B + b*T + index)
+    up = ancestor_at(depth, anc, 1)
+    own = mx.arange(B)[:, None]
+    parent = mx.where(depth > 0, B + own * T + up, own).reshape(-1)
+    out, states = _delta_rounds(attn, windows, z.reshape(B * T, *z.shape[2:]),
+                                b.reshape(B * T, -1), a.reshape(B * T, -1), cache.states,
+                                parent, fwd.rounds)
+    cache.pending = (states.reshape(B, T, *states.shape[1:]), rows)
+    return attn.out_proj(out.reshape(B, T, -1))
 
 
 def tree_gated_delta(attn, rows: mx.array, z, b, a, cache, fwd: Forward) -> mx.array:
@@ -152,34 +220,14 @@ def tree_gated_delta(attn, rows: mx.array, z, b, a, cache, fwd: Forward) -> mx.a
 
     rows: [T, conv_dim] projected rows; z [T, Hv, Dv]; b, a [T, Hv]. Leaves every node's
     state and row in `cache.pending` for the acceptance. Returns the layer output [1, T, H]."""
-    from .mlxlm import gated_delta_update, normalize_qk
-
     T, K = rows.shape[0], attn.conv_kernel_size
     depth, anc = tree_ancestors(fwd)
-    held = cache.window(rows.shape[-1], rows.dtype)
-    # each node's window, oldest first: ancestors K-1 .. 1 levels up (or cached rows), itself
-    picks = []
-    for up in range(K - 1, 0, -1):
-        in_tree = (K - 1) + ancestor_at(depth, anc, up)
-        picks.append(mx.where(depth >= up, in_tree, (K - 1) - (up - depth)))
-    picks.append((K - 1) + mx.arange(T))
-    windows = mx.concatenate([held, rows])[mx.stack(picks, axis=1)]   # [T, K, conv_dim]
-    conv = nn.silu(attn.conv1d(windows))                                 # [T, 1, conv_dim]
-    q, k, v = [t.reshape(T, 1, h, d) for t, h, d in zip(
-        mx.split(conv, [attn.key_dim, 2 * attn.key_dim], -1),
-        [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
-        [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim])]
-    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim ** -0.5, eps=1e-6)
+    windows = _windows(cache.window(rows.shape[-1], rows.dtype), rows, depth, anc, K)
     start = cache[1] if cache[1] is not None else \
         mx.zeros((1, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), mx.float32)
     parent = mx.where(depth > 0, 1 + ancestor_at(depth, anc, 1), 0)   # 0: the cached state
-    states = mx.broadcast_to(start, (T, *start.shape[1:]))
-    for _ in range(fwd.rounds):
-        incoming = mx.concatenate([start, states])[parent]
-        out, states = gated_delta_update(q, k, v, a[:, None], b[:, None], attn.A_log,
-                                         attn.dt_bias, incoming)
+    out, states = _delta_rounds(attn, windows, z, b, a, start, parent, fwd.rounds)
     cache.pending = (states, rows)
-    out = attn.norm(out, z[:, None])
     return attn.out_proj(out.reshape(1, T, -1))
 
 
@@ -344,6 +392,9 @@ class Ministral3Family(LayerCallFamily):
         beta, length = args["llama_4_scaling_beta"], args["original_max_position_embeddings"]
         if fwd.positions is None:
             fwd.extra = scale(fwd.T, fwd.n, beta, length)
+        elif fwd.positions.ndim == 2:  # a batch: [B, 1, T, 1], each row's own positions
+            B = fwd.positions.shape[0]
+            fwd.extra = scale(1, fwd.positions.reshape(-1), beta, length).reshape(B, 1, fwd.T, 1)
         else:  # one scale per node: as for T batch rows at their own positions
             fwd.extra = scale(1, fwd.positions, beta, length).reshape(fwd.T, 1)
         h = self.inner.embed_tokens(tokens)
@@ -396,27 +447,30 @@ class HybridFamily(LayerCallFamily):
 
     @staticmethod
     def projections(attn, x):
-        """A linear layer's (conv rows [T, C], z [T, Hv, Dv], b, a [T, Hv]) for x [1, T, H],
-        as its mlx-lm module computes them (Qwen3.5: four projections; Qwen3-Next: two
-        fused ones, reordered)."""
-        T = x.shape[1]
+        """A linear layer's (conv rows [B, T, C], z [B, T, Hv, Dv], b, a [B, T, Hv]) for x
+        [B, T, H], as its mlx-lm module computes them (Qwen3.5: four projections;
+        Qwen3-Next: two fused ones, reordered)."""
+        B, T = x.shape[:2]
         if hasattr(attn, "in_proj_qkvz"):
             q, k, v, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(x),
                                                                  attn.in_proj_ba(x))
-            rows = mx.concatenate([q.reshape(1, T, -1), k.reshape(1, T, -1),
-                                   v.reshape(1, T, -1)], axis=-1)
+            rows = mx.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1),
+                                   v.reshape(B, T, -1)], axis=-1)
         else:
             rows, z = attn.in_proj_qkv(x), attn.in_proj_z(x)
             b, a = attn.in_proj_b(x), attn.in_proj_a(x)
-        return rows[0], z.reshape(T, attn.num_v_heads, attn.head_v_dim), b[0].reshape(T, -1), \
-            a[0].reshape(T, -1)
+        return rows, z.reshape(B, T, attn.num_v_heads, attn.head_v_dim), b.reshape(B, T, -1), \
+            a.reshape(B, T, -1)
 
     def layer(self, target, i, layer, h, cache, mask, fwd):
         if not layer.is_linear or fwd.positions is None or cache is None:
             return layer(h, mask, cache)
         attn = layer.linear_attn
         rows, z, b, a = self.projections(attn, layer.input_layernorm(h))
-        h = h + tree_gated_delta(attn, rows, z, b, a, cache, fwd)
+        if fwd.tree is not None:
+            h = h + batch_tree_gated_delta(attn, rows, z, b, a, cache, fwd)
+        else:
+            h = h + tree_gated_delta(attn, rows[0], z[0], b[0], a[0], cache, fwd)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
 

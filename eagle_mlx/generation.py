@@ -16,7 +16,8 @@ from .errors import EagleError
 from .engine import SamplingParams, generation_stream
 from .drafters import EagleDrafter
 from .lookup import LookupDrafter, MergedDrafter
-from .speculative import PromptCache, eagle_steps, plain_steps, speculative_steps
+from .accept import KeyChain
+from .speculative import PromptCache, plain_steps, speculative_steps
 from .values import GenerationSettings, _check, _is_int, static_top_k
 
 
@@ -110,6 +111,71 @@ def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]]) -> List[int]:
     return [int(t) for t in prompt]
 
 
+@dataclass
+class Prepared:
+    """What one generation runs, checked: the prompt's ids, the drafter (None: plain
+    decoding), the sampling settings, the context and the random keys of its draws."""
+
+    ids: List[int]
+    drafter: object
+    sampling: SamplingParams
+    max_context: int
+    keys: KeyChain
+
+
+def prepare(model, tokenizer, prompt, settings: GenerationSettings,
+            prompt_cache: Optional[PromptCache] = None) -> Prepared:
+    """Check a request against the model (one sentence for what is wrong) and choose its
+    drafter: the head's tree, prompt lookup alone or merged into it, or none."""
+    _check(isinstance(settings, GenerationSettings),
+           "settings must be an eagle_mlx.GenerationSettings.")
+    settings.check()
+    s = settings
+    temp, seed, max_context = s.temp, s.seed, s.max_context
+    total_tokens, depth, draft_top_k, tree_choices = (s.total_tokens, s.depth, s.draft_top_k,
+                                                      s.tree_choices)
+    _check(prompt_cache is None or isinstance(prompt_cache, PromptCache),
+           "prompt_cache must be an eagle_mlx.PromptCache.")
+    _check(hasattr(model, "target") and hasattr(model, "head"),
+           "model must be the EagleModel that eagle_mlx.load returns.")
+    lookup = getattr(model, "lookup", None)  # prompt lookup: alone, or merged with the head
+    alone = lookup is not None and model.head is None
+    tree = None if alone else tree_plan(model, total_tokens, depth, draft_top_k, tree_choices,
+                                        s.speculate)
+    speculate = tree is not None
+    # where the benchmark found that the head's trees do not pay, lookup drafts alone
+    alone = alone or (lookup is not None and not speculate)
+    if speculate:
+        total_tokens, depth, draft_top_k = tree["total_tokens"], tree["depth"], tree["draft_top_k"]
+    target = model.target
+    _check(max_context is None or max_context <= target.max_context,
+           f"max_context {max_context} exceeds the model's context of {target.max_context} tokens.")
+    max_context = max_context or target.max_context
+    if speculate:
+        check_tree(model, total_tokens, depth, draft_top_k, tree_choices)
+    ids = encode_prompt(tokenizer, prompt)
+    _check(len(ids) > 0, "the prompt is empty.")
+    _check(len(ids) <= max_context,
+           f"the prompt has {len(ids)} tokens but the model's context is {max_context} tokens.")
+    _check(max(ids) < target.vocab_size and min(ids) >= 0,
+           f"the prompt holds token ids outside the model's vocabulary of {target.vocab_size}.")
+    group = getattr(model, "group", None)
+    if seed is None and group is not None and temp > 0:
+        from .distributed import shared_seed
+
+        seed = shared_seed(group)  # every rank must draw the same tokens
+    if alone and s.speculate is not False:
+        drafter = LookupDrafter(lookup, target.tree_node_limit())
+    elif not speculate:
+        drafter = None
+    else:
+        drafter = EagleDrafter(model.head, target, total_tokens, depth, draft_top_k, tree_choices)
+        if lookup is not None:
+            drafter = MergedDrafter(drafter, LookupDrafter(lookup), total_tokens)
+    return Prepared(ids, drafter, SamplingParams(temp, s.top_p, s.top_k, s.min_p), max_context,
+                    KeyChain.start(seed))
+
+
 def stream_generate(
     model,
     tokenizer,
@@ -147,59 +213,15 @@ def stream_generate(
     if settings is None:
         settings = GenerationSettings(max_tokens, temp, top_p, top_k, min_p, seed, total_tokens,
                                       depth, draft_top_k, tree_choices, max_context, speculate)
-    _check(isinstance(settings, GenerationSettings),
-           "settings must be an eagle_mlx.GenerationSettings.")
-    settings.check()
-    s = settings
-    max_tokens, temp, seed, max_context = s.max_tokens, s.temp, s.seed, s.max_context
-    total_tokens, depth, draft_top_k, tree_choices = (s.total_tokens, s.depth, s.draft_top_k,
-                                                      s.tree_choices)
-    _check(prompt_cache is None or isinstance(prompt_cache, PromptCache),
-           "prompt_cache must be an eagle_mlx.PromptCache.")
-    _check(hasattr(model, "target") and hasattr(model, "head"),
-           "model must be the EagleModel that eagle_mlx.load returns.")
-    lookup = getattr(model, "lookup", None)  # prompt lookup: alone, or merged with the head
-    alone = lookup is not None and model.head is None
-    tree = None if alone else tree_plan(model, total_tokens, depth, draft_top_k, tree_choices,
-                                        s.speculate)
-    speculate = tree is not None
-    # where the benchmark found that the head's trees do not pay, lookup drafts alone
-    alone = alone or (lookup is not None and not speculate)
-    if speculate:
-        total_tokens, depth, draft_top_k = tree["total_tokens"], tree["depth"], tree["draft_top_k"]
-    target = model.target
-    _check(max_context is None or max_context <= target.max_context,
-           f"max_context {max_context} exceeds the model's context of {target.max_context} tokens.")
-    max_context = max_context or target.max_context
-    if speculate:
-        check_tree(model, total_tokens, depth, draft_top_k, tree_choices)
-    ids = encode_prompt(tokenizer, prompt)
-    _check(len(ids) > 0, "the prompt is empty.")
-    _check(len(ids) <= max_context,
-           f"the prompt has {len(ids)} tokens but the model's context is {max_context} tokens.")
-    _check(max(ids) < target.vocab_size and min(ids) >= 0,
-           f"the prompt holds token ids outside the model's vocabulary of {target.vocab_size}.")
-    group = getattr(model, "group", None)
-    if seed is None and group is not None and temp > 0:
-        from .distributed import shared_seed
-
-        seed = shared_seed(group)  # every rank must draw the same tokens
-    if seed is not None:
-        mx.random.seed(seed)
-    sampling = SamplingParams(temp, s.top_p, s.top_k, s.min_p)
-    if alone and s.speculate is not False:
-        steps = speculative_steps(target, LookupDrafter(lookup, target.tree_node_limit()), ids,
-                                  sampling, max_context, prompt_cache=prompt_cache)
-    elif not speculate:
-        steps = plain_steps(target, ids, sampling, max_context, prompt_cache=prompt_cache)
-    elif lookup is not None:
-        drafter = MergedDrafter(EagleDrafter(model.head, target, total_tokens, depth, draft_top_k,
-                                             tree_choices), LookupDrafter(lookup), total_tokens)
-        steps = speculative_steps(target, drafter, ids, sampling, max_context,
-                                  prompt_cache=prompt_cache)
+    run = prepare(model, tokenizer, prompt, settings, prompt_cache)
+    target, ids, group = model.target, run.ids, getattr(model, "group", None)
+    if run.drafter is None:
+        steps = plain_steps(target, ids, run.sampling, run.max_context, prompt_cache=prompt_cache,
+                            keys=run.keys)
     else:
-        steps = eagle_steps(target, model.head, ids, sampling, total_tokens, depth,
-                            draft_top_k, tree_choices, max_context, prompt_cache=prompt_cache)
+        steps = speculative_steps(target, run.drafter, ids, run.sampling, run.max_context,
+                                  prompt_cache=prompt_cache, keys=run.keys)
+    max_tokens = settings.max_tokens
     from . import mlxlm
 
     with mlxlm.wired_limit(target.model, [generation_stream]):
@@ -221,11 +243,13 @@ def _settle(steps) -> None:
     mx.synchronize(generation_stream)
 
 
-def _responses(tokenizer, ids, steps, max_tokens) -> Iterator[GenerationResponse]:
+def _responses(tokenizer, ids, steps, max_tokens,
+               reset_peak: bool = True) -> Iterator[GenerationResponse]:
     stop_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     detok = tokenizer.detokenizer
     detok.reset()
-    mx.reset_peak_memory()
+    if reset_peak:
+        mx.reset_peak_memory()
     start = time.perf_counter()
     prompt_time = gen_start = None
     produced, forwards, accept_lengths = 0, 0, []

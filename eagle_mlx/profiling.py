@@ -76,7 +76,7 @@ def profiled_cycle(engine, state, timer: PhaseTimer):
         timer.lap("draft", tree.tokens, tree.anc)
         verified = engine.verify(state, tree)
         timer.lap("verify", verified.logits)
-        accepted = engine.accept(tree, verified)
+        accepted = engine.accept(tree, verified, state.key())
         timer.lap("accept", *accepted, tree.tokens)
         step = engine.update(state, tree, verified, accepted)
         timer.lap("update", *engine.updated_arrays(state))

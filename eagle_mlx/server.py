@@ -161,7 +161,7 @@ class Engine:
 
         group = self.model.group
         share_text(group, json.dumps({"ids": job.ids, "settings": job.settings.asdict()}))
-        held, finish, last, by_string = "", None, None, False
+        stops, finish, last = StopFilter(job.stop), None, None
         for r in stream_generate(self.model, self.tokenizer, job.ids, prompt_cache=self.cache,
                                  settings=job.settings):
             last = r
@@ -169,21 +169,11 @@ class Engine:
                 share_response_signal(group, CANCELLED)  # the other ranks stop with it
                 finish = "cancelled"
                 break
-            held += r.text
-            cut = _find_stop(held, job.stop)
-            if cut is not None:
-                emit, finish, by_string = held[:cut], "stop", True
-            else:
-                keep = _partial_stop(held, job.stop)  # might be the start of a stop string
-                emit, held = held[: len(held) - keep], held[len(held) - keep:]
-                finish = r.finish_reason
+            emit, finish = stops.feed(r.text, r.finish_reason)
             if emit:
                 job.events.put(("text", emit))
-            done = cut is not None or r.finish_reason is not None
-            if share_response_signal(group, FINISHED if done else CONTINUE) != CONTINUE:
+            if share_response_signal(group, FINISHED if finish else CONTINUE) != CONTINUE:
                 break
-        if held and not by_string and finish != "cancelled":  # a stop string's start that ended it
-            job.events.put(("text", held))
         usage = {
             "prompt_tokens": len(job.ids),
             "completion_tokens": last.generation_tokens if last else 0,
@@ -218,6 +208,25 @@ def follow(model, tokenizer) -> None:
                     break
         except EagleError:
             pass  # rank 0 answers the request with the same error
+
+
+class StopFilter:
+    """A generation's text through its stop strings: text that might begin one is held back
+    until the next tokens tell; the first stop string ends the text before it."""
+
+    def __init__(self, stops: List[str]):
+        self.stops, self.held = list(stops), ""
+
+    def feed(self, text: str, finish: Optional[str]):
+        """(text to emit now, finish reason: "stop" at a stop string, else `finish`)."""
+        self.held += text
+        cut = _find_stop(self.held, self.stops)
+        if cut is not None:
+            emit, self.held = self.held[:cut], ""
+            return emit, "stop"
+        keep = _partial_stop(self.held, self.stops) if finish is None else 0
+        emit, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        return emit, finish
 
 
 def _find_stop(text: str, stops: List[str]) -> Optional[int]:

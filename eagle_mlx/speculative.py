@@ -10,6 +10,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
+from .accept import KeyChain
 from .drafters import EagleDrafter
 from .engine import PREFILL_STEP_SIZE, Engine, SamplingParams, State, Step
 from .mlxlm import generate_step
@@ -85,14 +86,21 @@ class PromptCache:
 
 
 def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
-                max_context: int, prompt_cache: Optional[PromptCache] = None) -> Iterator[Step]:
-    """Autoregressive decoding of the target alone through mlx-lm's `generate_step`."""
+                max_context: int, prompt_cache: Optional[PromptCache] = None,
+                keys: Optional[KeyChain] = None) -> Iterator[Step]:
+    """Autoregressive decoding of the target alone through mlx-lm's `generate_step`
+    (keys: the random keys of its draws; None: MLX's global random state)."""
     pc = prompt_cache if prompt_cache is not None else PromptCache()
+
+    def sampler(logprobs):  # [1, V]: drawn as a row of a batch draws it, over [V]
+        key = None if keys is None else keys.next()
+        return sampling.pick(logprobs[0], key).reshape(logprobs.shape[:-1])
+
     start = pc.reuse(target, None, prompt)
     cached = list(prompt)
     n = len(prompt)  # tokens in the cache once the last yielded token is fed
     for token, _ in generate_step(mx.array(list(prompt[start:])), target.plain_model, max_tokens=-1,
-                                  sampler=sampling.pick, prompt_cache=pc.target,
+                                  sampler=sampler, prompt_cache=pc.target,
                                   prefill_step_size=PREFILL_STEP_SIZE):
         token = int(token)
         cached.append(token)
@@ -108,9 +116,10 @@ def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
 def speculative_steps(target, drafter, prompt: Sequence[int], sampling: SamplingParams,
                       max_context: Optional[int] = None, trace: bool = False,
                       timer: Optional[PhaseTimer] = None,
-                      prompt_cache: Optional[PromptCache] = None) -> Iterator[Step]:
+                      prompt_cache: Optional[PromptCache] = None,
+                      keys: Optional[KeyChain] = None) -> Iterator[Step]:
     """Speculative decoding with any drafter (`drafters.Drafter`); yields one Step per
-    target forward.
+    target forward (keys: the random keys of its draws; None: MLX's global state).
 
     trace: attach the verified tree to every Step. timer: profile the phases of each cycle
     (`profiling.profiled_cycle`: a sync after every phase). prompt_cache: reuse (and leave
@@ -119,6 +128,7 @@ def speculative_steps(target, drafter, prompt: Sequence[int], sampling: Sampling
     pc = prompt_cache if prompt_cache is not None else PromptCache()
     start = pc.reuse(target, drafter, prompt)
     state = pc.state()
+    state.keys = keys
     root = engine.prefill(state, prompt, start)
     pc.record(state)
     yield Step([root], None)
@@ -140,8 +150,9 @@ def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
                 total_tokens: int, depth: int, draft_top_k: int,
                 tree_choices=None, max_context: Optional[int] = None,
                 trace: bool = False, timer: Optional[PhaseTimer] = None,
-                prompt_cache: Optional[PromptCache] = None) -> Iterator[Step]:
+                prompt_cache: Optional[PromptCache] = None,
+                keys: Optional[KeyChain] = None) -> Iterator[Step]:
     """Speculative decoding with an EAGLE head (dynamic tree, or static `tree_choices`)."""
     drafter = EagleDrafter(head, target, total_tokens, depth, draft_top_k, tree_choices)
     return speculative_steps(target, drafter, prompt, sampling, max_context, trace, timer,
-                             prompt_cache)
+                             prompt_cache, keys)

@@ -150,6 +150,41 @@ class Target:
         for m, c in zip(self.mechanisms, caches):
             m.truncate(c, length)
 
+    # ---------------------------------------------------------------- batches
+    def make_batch_cache(self) -> list:
+        """Per layer (as `make_cache`), the cache of a batch of sequences: rows join from a
+        sequence's own caches (`batch_join`) and leave (`batch_filter`) between cycles."""
+        return [m.make_batch_cache() for m in self.mechanisms if m.source is None]
+
+    @staticmethod
+    def batch_join(batch, caches) -> None:
+        """Add a sequence (its own caches after its prefill) as the batch's last row."""
+        for bc, c in zip(batch, caches):
+            bc.extend(c)
+
+    @staticmethod
+    def batch_filter(batch, rows) -> None:
+        for bc in batch:
+            bc.filter(rows)
+
+    @staticmethod
+    def batch_accept(batch, kept) -> None:
+        """After a batch verify: row b keeps its accepted tree nodes kept[b] (indices in its
+        tree, root first)."""
+        for bc in batch:
+            bc.commit(kept)
+
+    def verify_batch(self, tokens: mx.array, batch, lengths, positions: mx.array,
+                     tree: mx.array, taps: Sequence[int] = (),
+                     max_depth: Optional[int] = None) -> Tuple[mx.array, List[mx.array]]:
+        """A tree per row, after what each row holds: tokens, positions [B, T] (row b's
+        nodes at lengths[b] + depth), tree [B, T, T] each row's ancestor-or-self mask
+        (padding nodes see themselves). Returns as `__call__`, for every row."""
+        fwd = Forward(tokens.shape[1], list(lengths), positions, None, tree=tree)
+        if max_depth is not None:
+            fwd.max_depth = max_depth
+        return self._run(tokens, batch, fwd, taps)
+
     @staticmethod
     def cache_arrays(caches) -> list:
         return [a for c in caches for a in c.arrays()]
@@ -185,7 +220,11 @@ class Target:
                       positions, mask)
         if max_depth is not None:
             fwd.max_depth = max_depth
-        family, tapped = self.family, {}
+        return self._run(tokens, caches, fwd, taps)
+
+    def _run(self, tokens, caches, fwd: Forward, taps):
+        caches = list(caches) + [None] * (self.num_layers - len(caches))
+        positions, family, tapped = fwd.positions, self.family, {}
         self._rope.positions = positions
         try:
             h = family.embed(self, tokens, fwd)

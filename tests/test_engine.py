@@ -352,9 +352,9 @@ def test_sampling_through_the_engine_is_lossless(small_vocab_pair, draft):
     assert p_value > 1e-3, (p_value, stat)
 
 
-def _exact_match_rule(tree, logprobs):
+def _exact_match_rule(tree, logprobs, key=None):
     """mlx-lm's rule: sample y ~ p at every node, accept a child iff it is y."""
-    y = mx.random.categorical(logprobs)
+    y = mx.random.categorical(logprobs, key=key)
     is_root = mx.arange(tree.tokens.shape[0]) == 0
     ok = is_root | (tree.tokens == y[tree.parents])
     accepted = ~(tree.anc & ~ok[None, :]).any(axis=1)

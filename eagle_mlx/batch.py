@@ -1,0 +1,335 @@
+"""Continuous batching with speculation: many sequences in one cycle, each exactly its own
+output.
+
+    batch = BatchGenerator(model, tokenizer, max_batch=8)
+    uid = batch.add(prompt, settings)          # joins at the next cycle boundary
+    while batch.busy:
+        for uid, response in batch.step():     # one GenerationResponse per sequence a step
+            ...
+
+Every active sequence keeps its own drafter state, features and tree (the head's dynamic
+or static tree, prompt lookup, both merged, or the root alone for plain decoding). A
+cycle drafts each sequence's tree, pads them to the widest, verifies all of them in one
+target forward over [B, T] (`Target.verify_batch`: every attention layer's ragged cache
+gives each row its own prefix, within its window for a sliding layer; linear-attention
+layers run every row's nodes in one recurrence), accepts per sequence with the rules and
+random keys it would use alone (`accept.KeyChain`), and keeps each row's accepted nodes in
+place (`Target.batch_accept`). A sequence joins at a cycle boundary: its prompt is
+prefilled alone, one chunk per step while the others keep decoding, then its caches
+become the batch's last row; it leaves when it finishes (or is cancelled).
+
+So a sequence's tokens are those of `stream_generate` with the same settings: greedy,
+the same tokens; sampling, the target's distribution, and with a seed the same draws.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence as Seq, Tuple, Union
+
+import mlx.core as mx
+import numpy as np
+
+from .engine import Engine, State, Step, Verified, generation_stream
+from .tree import Tree
+from .values import GenerationSettings, _check, _is_int
+
+BATCH_PREFILL_CHUNK = 512  # prompt tokens a step prefills while a batch decodes
+DEFAULT_MAX_BATCH = 8
+
+
+class RootDrafter:
+    """Plain decoding inside a batch: the tree is the root alone (the verify pass is the
+    next decoding step)."""
+
+    features = None
+    max_depth = 0
+    owner = None
+
+    def new_state(self):
+        return None
+
+    def offset(self, state) -> int:
+        return 0
+
+
+@dataclass
+class _Sequence:
+    uid: int
+    ids: List[int]
+    engine: Engine
+    state: State
+    settings: GenerationSettings
+    plain: bool
+    steps: deque = field(default_factory=deque)
+    responses: Optional[Iterator] = None
+    prefill: Optional[Iterator] = None
+    done: bool = False
+
+
+def _root_tree(root: mx.array) -> Tree:
+    z = mx.zeros((1,), dtype=mx.int32)
+    return Tree(root.reshape(1).astype(mx.int32), z, mx.ones((1, 1), dtype=mx.bool_), z)
+
+
+class BatchGenerator:
+    """Continuous batching of speculative (or plain) generations over one model."""
+
+    def __init__(self, model, tokenizer, max_batch: int = DEFAULT_MAX_BATCH,
+                 prefill_chunk: int = BATCH_PREFILL_CHUNK):
+        _check(hasattr(model, "target") and hasattr(model, "head"),
+               "model must be the EagleModel that eagle_mlx.load returns.")
+        _check(_is_int(max_batch) and max_batch >= 1,
+               f"max_batch must be a whole number of at least 1 (got {max_batch!r}).")
+        _check(getattr(model, "group", None) is None,
+               "batched generation runs on one machine; it does not shard over mx.distributed.")
+        self.model, self.tokenizer, self.target = model, tokenizer, model.target
+        self.max_batch, self.prefill_chunk = int(max_batch), int(prefill_chunk)
+        self.waiting: deque = deque()     # added, not yet prefilled
+        self.joining: Optional[_Sequence] = None  # being prefilled, chunk by chunk
+        self.active: List[_Sequence] = []  # the batch's rows, in order
+        self.caches = None
+        self._uid = 0
+        head = model.head
+        self.taps = tuple(head.feature_taps(self.target) or ()) if head is not None else ()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.joining or self.active)
+
+    def __len__(self) -> int:
+        return len(self.active)
+
+    def add(self, prompt: Union[str, Seq[int]], settings: Optional[GenerationSettings] = None,
+            **kwargs) -> int:
+        """Queue a generation (checked now: a bad request raises EagleError and nothing is
+        queued); returns its id. settings (or stream_generate's keyword arguments)."""
+        from .generation import _responses, prepare
+
+        if settings is None:
+            settings = GenerationSettings(**kwargs)
+        else:
+            _check(not kwargs, "give the settings either as a GenerationSettings or as keyword "
+                               "arguments, not both.")
+        run = prepare(self.model, self.tokenizer, prompt, settings)
+        plain = run.drafter is None
+        drafter = RootDrafter() if plain else run.drafter
+        engine = Engine(self.target, drafter, run.sampling, run.max_context)
+        engine.taps = self.taps if drafter.features is not None else ()
+        state = State(self.target.make_cache(), drafter.new_state(), keys=run.keys)
+        self._uid += 1
+        seq = _Sequence(self._uid, run.ids, engine, state, settings, plain)
+        seq.responses = _responses(self.tokenizer, run.ids, self._pull(seq), settings.max_tokens,
+                                   reset_peak=False)
+        self.waiting.append(seq)
+        return seq.uid
+
+    @staticmethod
+    def _pull(seq: _Sequence):
+        while seq.steps:
+            yield seq.steps.popleft()
+
+    def cancel(self, uid: int) -> None:
+        """Drop a sequence (waiting, joining or decoding) at once."""
+        self.waiting = deque(s for s in self.waiting if s.uid != uid)
+        if self.joining is not None and self.joining.uid == uid:
+            self.joining = None
+        keep = [i for i, s in enumerate(self.active) if s.uid != uid]
+        if len(keep) != len(self.active):
+            self._keep_rows(keep)
+
+    def _keep_rows(self, keep: List[int]) -> None:
+        self.active = [self.active[i] for i in keep]
+        if not self.active:
+            self.caches = None
+        else:
+            self.target.batch_filter(self.caches, keep)
+
+    # ---------------------------------------------------------------- a step
+    def step(self) -> List[Tuple[int, object]]:
+        """One prefill chunk of the next joining sequence (while there is room) and one cycle
+        of the batch. Returns (id, GenerationResponse) for every sequence that produced
+        tokens; a sequence whose response has a finish_reason has left."""
+        out = []
+        with mx.stream(generation_stream):
+            joined = self._prefill_step()
+            if joined is not None:
+                out += self._emit(joined)
+            if self.active:
+                out += self._cycle()
+        return out
+
+    def _prefill_step(self) -> Optional[_Sequence]:
+        if self.joining is None:
+            if not self.waiting or len(self.active) >= self.max_batch:
+                return None
+            self.joining = self.waiting.popleft()
+            seq = self.joining
+            seq.prefill = seq.engine.prefill_chunks(seq.state, seq.ids, 0, self.prefill_chunk)
+        seq = self.joining
+        try:
+            next(seq.prefill)
+            return None  # more chunks to go
+        except StopIteration:
+            pass
+        self.joining = None
+        seq.steps.append(Step([seq.state.history[-1]], None))
+        if self.caches is None:
+            self.caches = self.target.make_batch_cache()
+        self.target.batch_join(self.caches, seq.state.caches)
+        seq.state.caches = None  # the batch holds them now
+        self.active.append(seq)
+        return seq
+
+    def _emit(self, seq: _Sequence) -> List[Tuple[int, object]]:
+        r = next(seq.responses)
+        if r.finish_reason is not None:
+            seq.done = True
+        return [(seq.uid, r)]
+
+    def _cycle(self) -> List[Tuple[int, object]]:
+        target, rows = self.target, self.active
+        trees, speculative = [], []
+        for s in rows:
+            spec = not s.plain and s.engine.fits(s.state)
+            speculative.append(spec)
+            trees.append(s.engine.draft(s.state) if spec else _root_tree(s.state.root))
+        sizes = [int(t.tokens.shape[0]) for t in trees]
+        T, B = max(sizes), len(rows)
+        tokens, depth, anc = [], [], []
+        for t, n in zip(trees, sizes):
+            pad = T - n
+            tokens.append(mx.pad(t.tokens.astype(mx.int32), (0, pad)))
+            depth.append(mx.pad(t.depth.astype(mx.int32), (0, pad)))
+            a = mx.pad(t.anc, [(0, pad), (0, pad)])
+            if pad:  # padding nodes see only themselves
+                a = a | mx.pad(mx.eye(pad, dtype=mx.bool_), [(n, 0), (n, 0)])
+            anc.append(a)
+        lengths = [s.state.n for s in rows]
+        positions = mx.array(lengths)[:, None] + mx.stack(depth)
+        max_depth = max(s.engine.drafter.max_depth if sp else 0
+                        for s, sp in zip(rows, speculative))
+        hidden, tapped = target.verify_batch(mx.stack(tokens), self.caches, lengths, positions,
+                                             mx.stack(anc), taps=self.taps, max_depth=max_depth)
+        logits = target.lm_head(hidden)                                   # [B, T, V]
+        results = []
+        for b, (s, t, n, sp) in enumerate(zip(rows, trees, sizes, speculative)):
+            v = Verified(hidden[b: b + 1], [x[b: b + 1] for x in tapped], logits[b, :n])
+            if sp:
+                results.append(s.engine.accept(t, v, s.state.key()))
+            else:  # the next token as plain decoding picks it
+                lp = logits[b, 0]
+                if s.plain:  # (mlx-lm's generate_step hands its sampler log-probabilities)
+                    lp = lp - mx.logsumexp(lp, keepdims=True)
+                results.append((mx.ones((1,), dtype=mx.bool_), s.engine.sampling.pick(
+                    lp, s.state.key()).reshape(())))
+        # SYNC (once per cycle): every row's accepted nodes and next token
+        mx.eval([r for pair in results for r in pair], [t.tokens for t in trees])
+        kept, out = [], []
+        for s, t, v_pair, b in zip(rows, trees, results, range(B)):
+            path = np.flatnonzero(np.array(v_pair[0])).tolist()
+            kept.append(path)
+            v = Verified(hidden[b: b + 1], [x[b: b + 1] for x in tapped], None)
+            step = s.engine.advance(s.state, t, v, path, v_pair[1].item())
+            if not speculative[b]:
+                step.accept_length = None if s.plain else 0
+            s.steps.append(step)
+        target.batch_accept(self.caches, kept)
+        mx.async_eval([a for c in self.caches for a in c.arrays()],
+                      [s.state.feats for s in rows if s.state.feats is not None])
+        for s in rows:
+            out += self._emit(s)
+        for s in rows:  # a sequence at the end of its context finishes there
+            if not s.done and s.state.n >= s.engine.max_context:
+                s.steps.clear()
+                r = next(s.responses, None)  # (the step iterator is empty: "length")
+                if r is not None:
+                    out.append((s.uid, r))
+                s.done = True
+        keep = [i for i, s in enumerate(rows) if not s.done]
+        if len(keep) != len(rows):
+            self._keep_rows(keep)
+        return out
+
+
+@dataclass
+class BatchResult:
+    """One sequence of a `batch_generate`: its text, tokens and statistics."""
+
+    text: str
+    tokens: List[int]
+    finish_reason: str
+    prompt_tokens: int
+    generation_tokens: int
+    mean_accept_length: float
+    target_forwards: int
+
+
+@dataclass
+class BatchResponse:
+    """mlx-lm's `batch_generate` result: the texts in prompt order, and statistics."""
+
+    texts: List[str]
+    stats: Dict[str, float]
+    results: List[BatchResult]
+
+
+def batch_generate(model, tokenizer, prompts: Seq[Union[str, Seq[int]]],
+                   max_tokens: Union[int, Seq[int]] = 128, max_batch: Optional[int] = None,
+                   settings: Optional[Seq[GenerationSettings]] = None,
+                   stop: Optional[Seq[Seq[str]]] = None, verbose: bool = False,
+                   **kwargs) -> BatchResponse:
+    """Generate for every prompt, continuously batched (at most `max_batch` at once;
+    default: all of them up to DEFAULT_MAX_BATCH); one result per prompt, in order.
+
+    max_tokens: one for all or one per prompt. settings: one GenerationSettings per prompt
+    (temperatures, seeds, trees ...), or stream_generate's keyword arguments for all.
+    stop: per prompt, strings that end its text (the text is cut before the first)."""
+    from .server import StopFilter
+
+    _check(isinstance(prompts, (list, tuple)) and len(prompts) > 0,
+           "prompts must be a non-empty list of prompts.")
+    n = len(prompts)
+    if settings is None:
+        per_max = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * n
+        _check(len(per_max) == n, f"max_tokens has {len(per_max)} values for {n} prompts.")
+        settings = [GenerationSettings(max_tokens=m, **kwargs) for m in per_max]
+    else:
+        _check(not kwargs, "give the settings either per prompt (settings=) or as keyword "
+                           "arguments, not both.")
+        _check(len(settings) == n, f"settings has {len(settings)} entries for {n} prompts.")
+    stop = [[] for _ in range(n)] if stop is None else [list(s) for s in stop]
+    _check(len(stop) == n, f"stop has {len(stop)} entries for {n} prompts.")
+    gen = BatchGenerator(model, tokenizer, max_batch or min(n, DEFAULT_MAX_BATCH))
+    uids = [gen.add(p, s) for p, s in zip(prompts, settings)]
+    order = {u: i for i, u in enumerate(uids)}
+    filters = [StopFilter(s) for s in stop]
+    texts, tokens = [""] * n, [[] for _ in range(n)]
+    last = [None] * n
+    start = time.perf_counter()
+    from . import mlxlm
+
+    mx.reset_peak_memory()
+    with mlxlm.wired_limit(model.target.model, [generation_stream]):
+        while gen.busy:
+            for uid, r in gen.step():
+                i = order[uid]
+                tokens[i] += r.tokens
+                emit, finish = filters[i].feed(r.text, r.finish_reason)
+                texts[i] += emit
+                last[i] = (r, finish)
+                if verbose and emit:
+                    print(emit, end="", flush=True)
+                if finish is not None and r.finish_reason is None:  # a stop string
+                    gen.cancel(uid)
+    elapsed = time.perf_counter() - start
+    results = []
+    for i in range(n):
+        r, finish = last[i]
+        results.append(BatchResult(texts[i], tokens[i], finish, r.prompt_tokens,
+                                   r.generation_tokens, r.mean_accept_length, r.target_forwards))
+    produced = sum(r.generation_tokens for r in results)
+    stats = {"prompt_tokens": sum(r.prompt_tokens for r in results), "generation_tokens": produced,
+             "seconds": elapsed, "generation_tps": produced / max(elapsed, 1e-9),
+             "peak_memory": mx.get_peak_memory() / 1e9}
+    return BatchResponse(texts, stats, results)
