@@ -263,6 +263,7 @@ class BatchResult:
     generation_tokens: int
     mean_accept_length: float
     target_forwards: int
+    accept_lengths: List[int] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -300,7 +301,8 @@ def batch_generate(model, tokenizer, prompts: Seq[Union[str, Seq[int]]],
         _check(len(settings) == n, f"settings has {len(settings)} entries for {n} prompts.")
     stop = [[] for _ in range(n)] if stop is None else [list(s) for s in stop]
     _check(len(stop) == n, f"stop has {len(stop)} entries for {n} prompts.")
-    gen = BatchGenerator(model, tokenizer, max_batch or min(n, DEFAULT_MAX_BATCH))
+    gen = BatchGenerator(model, tokenizer,
+                         min(n, DEFAULT_MAX_BATCH) if max_batch is None else max_batch)
     uids = [gen.add(p, s) for p, s in zip(prompts, settings)]
     order = {u: i for i, u in enumerate(uids)}
     filters = [StopFilter(s) for s in stop]
@@ -327,7 +329,8 @@ def batch_generate(model, tokenizer, prompts: Seq[Union[str, Seq[int]]],
     for i in range(n):
         r, finish = last[i]
         results.append(BatchResult(texts[i], tokens[i], finish, r.prompt_tokens,
-                                   r.generation_tokens, r.mean_accept_length, r.target_forwards))
+                                   r.generation_tokens, r.mean_accept_length, r.target_forwards,
+                                   r.accept_lengths))
     produced = sum(r.generation_tokens for r in results)
     stats = {"prompt_tokens": sum(r.prompt_tokens for r in results), "generation_tokens": produced,
              "seconds": elapsed, "generation_tps": produced / max(elapsed, 1e-9),

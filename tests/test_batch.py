@@ -1,0 +1,236 @@
+"""Continuous batching: every sequence of a batch is exactly what it would be alone.
+
+The reference of each sequence is `stream_generate` on it alone (whose greedy output the
+other test files hold against transformers, and whose sampling against the target's
+distribution); the batch must give the same tokens (greedy), the same draws (sampling with
+a seed), and after every cycle caches equal to those the sequence keeps alone."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import eagle_mlx
+from eagle_mlx.batch import BatchGenerator, batch_generate
+from eagle_mlx.engine import Engine, SamplingParams
+from eagle_mlx.errors import EagleError
+from eagle_mlx.values import GenerationSettings
+from tiny import make_eagle_head, make_hf_model
+
+FAMILIES = ["llama2_mha", "gemma3_swa", "gpt_oss_swa", "qwen3_5"]
+LONG_FAMILIES = ["qwen3_moe", "mistral_swa", "gemma4_swa", "ministral3_swa", "qwen3_next",
+                 "llama_dynamic"]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    from conftest import TINY_TARGETS
+
+    root = tmp_path_factory.mktemp("batch")
+    made = {}
+
+    def get(name, kind="eagle1"):
+        if (name, kind) not in made:
+            k, overrides = TINY_TARGETS[name]
+            overrides = dict(overrides)
+            if kind == "eagle3":
+                overrides["num_hidden_layers"] = 7
+                if "layer_types" in overrides:
+                    overrides["layer_types"] = (["sliding_attention"] * 2 + ["full_attention"]) \
+                        * 2 + ["sliding_attention"]
+            t = make_hf_model(root / f"{name}-{kind}", k, seed=11, vocab_size=64, scale=4.0,
+                              **overrides)
+            h = make_eagle_head(root / f"{name}-{kind}-h", t, kind, seed=3,
+                                draft_vocab_size=40 if kind == "eagle3" else 0)
+            made[name, kind] = (t, h)
+        return made[name, kind]
+
+    return get
+
+
+# prompts that repeat themselves, so that prompt lookup's branches are accepted too (the
+# random heads alone accept little): sequences accept different lengths in one cycle
+PROMPTS = [[5 + (i * 7) % 11 for i in range(n)] for n in (3, 9, 17, 30, 6, 12)]
+TREE = dict(total_tokens=8, depth=3, draft_top_k=2)
+SETTINGS = [
+    GenerationSettings(max_tokens=24, **TREE),
+    GenerationSettings(max_tokens=30, temp=0.7, seed=5, **TREE),
+    GenerationSettings(max_tokens=20, speculate=False),
+    GenerationSettings(max_tokens=28, temp=1.0, seed=9, speculate=False),
+    GenerationSettings(max_tokens=16, tree_choices=[[0], [1], [0, 0]]),
+    GenerationSettings(max_tokens=26, temp=0.5, top_k=5, top_p=0.9, seed=2),
+]
+
+
+def alone(model, tok, prompt, settings):
+    rs = list(eagle_mlx.stream_generate(model, tok, prompt, settings=settings))
+    return [t for r in rs for t in r.tokens], "".join(r.text for r in rs), rs[-1]
+
+
+def check_batch_equals_alone(model, tok, max_batch, prompts=PROMPTS, settings=SETTINGS):
+    ref = [alone(model, tok, p, s) for p, s in zip(prompts, settings)]
+    res = batch_generate(model, tok, prompts, settings=settings, max_batch=max_batch)
+    assert len(res.texts) == len(prompts)
+    for (tokens, text, last), r, got in zip(ref, res.results, res.texts):
+        assert r.tokens == tokens
+        assert got == text
+        assert r.finish_reason == last.finish_reason
+        assert r.mean_accept_length == pytest.approx(last.mean_accept_length)
+    return ref, res
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_batch_equals_each_sequence_alone(pairs, name):
+    """Six requests (prompt lengths 3..30, greedy and seeded sampling, dynamic, static and
+    no trees, the head merged with prompt lookup) through batches of at most 4: the later
+    ones join as the first finish. Every sequence's tokens, text, finish reason and tau
+    equal its run alone."""
+    t, h = pairs(name)
+    model, tok = eagle_mlx.load(str(t), eagle=str(h), lookup=True)
+    ref, res = check_batch_equals_alone(model, tok, max_batch=4)
+    # sequences accept different numbers of drafted tokens in the same cycles
+    assert {0, 1} <= {a for r in res.results for a in r.accept_lengths}
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("name", LONG_FAMILIES)
+def test_batch_equals_alone_other_families(pairs, name):
+    t, h = pairs(name)
+    model, tok = eagle_mlx.load(str(t), eagle=str(h), lookup=True)
+    check_batch_equals_alone(model, tok, max_batch=3)
+
+
+@pytest.mark.parametrize("name", ["llama2_mha", "gemma3_swa"])
+def test_batch_equals_alone_eagle3_head(pairs, name):
+    """An EAGLE-3 head (three tap layers, a draft vocabulary): the batch verify hands each
+    row its own taps."""
+    t, h = pairs(name, "eagle3")
+    model, tok = eagle_mlx.load(str(t), eagle=str(h))
+    check_batch_equals_alone(model, tok, max_batch=6)
+
+
+def test_head_alone_and_lookup_alone(pairs):
+    t, h = pairs("llama2_mha")
+    model, tok = eagle_mlx.load(str(t), eagle=str(h))
+    check_batch_equals_alone(model, tok, max_batch=6)
+    model, tok = eagle_mlx.load(str(t), lookup=True)
+    check_batch_equals_alone(model, tok, max_batch=2, settings=[
+        GenerationSettings(max_tokens=s.max_tokens, temp=s.temp, top_k=s.top_k, top_p=s.top_p,
+                           seed=s.seed) for s in SETTINGS])
+
+
+def _rows(cache, b):
+    """Row b of a batch cache as (first position, keys, values) / (window, state)."""
+    if hasattr(cache, "row"):
+        k, v = cache.row(b)
+        return cache.bases[b], k, v
+    return None, cache.windows[b: b + 1], cache.states[b: b + 1]
+
+
+def _alone(cache):
+    if hasattr(cache, "keys"):
+        base = getattr(cache, "base", 0)
+        n = cache.offset - base
+        return base, cache.keys[..., :n, :], cache.values[..., :n, :]
+    return None, cache[0], cache[1]
+
+
+@pytest.mark.parametrize("name", ["gemma3_swa", "qwen3_5"])
+def test_batch_caches_equal_each_sequence_alone(pairs, name):
+    """After every cycle each row of every layer's batch cache (keys and values of the
+    positions both hold; a linear-attention layer's window and state) equals the cache
+    the sequence's own engine keeps, cycle by cycle, with three sequences joining (one
+    prefilled in chunks over several steps) and one leaving early."""
+    from eagle_mlx.drafters import EagleDrafter
+    from eagle_mlx.lookup import LookupDrafter, MergedDrafter
+
+    t, h = pairs(name)
+    model, tok = eagle_mlx.load(str(t), eagle=str(h), lookup=True)
+    target = model.target
+    gen = BatchGenerator(model, tok, max_batch=3, prefill_chunk=4)
+    prompts, lengths = PROMPTS[1:4], [40, 12, 40]
+    engines, states = [], []
+    for p, n in zip(prompts, lengths):
+        gen.add(p, GenerationSettings(max_tokens=n, **TREE))
+        d = MergedDrafter(EagleDrafter(model.head, target, 8, 3, 2), LookupDrafter(model.lookup), 8)
+        e = Engine(target, d, SamplingParams(), target.max_context)
+        s = e.new_state()
+        e.prefill(s, p)
+        engines.append(e)
+        states.append(s)
+    cycles = 0
+    while gen.busy:
+        for uid, r in gen.step():
+            if r.accept_length is not None:  # a cycle (not the prefill's first token)
+                engines[uid - 1].cycle(states[uid - 1])
+                cycles += 1
+        for b, seq in enumerate(gen.active):
+            alone_state = states[seq.uid - 1]
+            assert seq.state.n == alone_state.n
+            for bc, c in zip(gen.caches, alone_state.caches):
+                base_b, *got = _rows(bc, b)
+                base_a, *want = _alone(c)
+                if base_b is not None:  # the positions both hold (a window drops old ones)
+                    first = max(base_a, base_b)
+                    got = [g[..., first - base_b:, :] for g in got]
+                    want = [w[..., first - base_a:, :] for w in want]
+                for g, w in zip(got, want):
+                    assert g.shape == w.shape
+                    np.testing.assert_allclose(np.array(g), np.array(w), atol=2e-5, rtol=1e-4)
+    assert cycles >= 12
+
+
+def test_stop_strings_and_cancel(pairs):
+    """A stop string cuts a sequence's text before its first occurrence in what it would
+    write alone (and ends it there, the others unaffected); a cancelled sequence leaves at
+    once; a sequence added while others decode joins them."""
+    t, h = pairs("llama2_mha")
+    model, tok = eagle_mlx.load(str(t), eagle=str(h), lookup=True)
+    ref = [alone(model, tok, p, s) for p, s in zip(PROMPTS, SETTINGS)]
+    stops = [[text[6:9]] if len(text) > 12 else [] for _, text, _ in ref]
+    res = batch_generate(model, tok, PROMPTS, settings=SETTINGS, stop=stops, max_batch=6)
+    for (tokens, text, _), stop, got, r in zip(ref, stops, res.texts, res.results):
+        if stop:
+            assert got == text[: text.find(stop[0])]
+            assert r.finish_reason == "stop"
+        else:
+            assert got == text
+    gen = BatchGenerator(model, tok, max_batch=4)
+    a = gen.add(PROMPTS[3], SETTINGS[0])
+    b = gen.add(PROMPTS[4], SETTINGS[1])
+    got = {a: [], b: []}
+    for _ in range(3):
+        for uid, r in gen.step():
+            got[uid] += r.tokens
+    c = gen.add(PROMPTS[5], SETTINGS[5])  # arrives while a and b decode
+    got[c] = []
+    gen.cancel(b)
+    assert [s.uid for s in gen.active] == [a]
+    while gen.busy:
+        for uid, r in gen.step():
+            got[uid] += r.tokens
+    want = {u: alone(model, tok, PROMPTS[i], SETTINGS[j])[0]
+            for u, i, j in ((a, 3, 0), (b, 4, 1), (c, 5, 5))}
+    assert got[a] == want[a] and got[c] == want[c]
+    assert got[b] == want[b][: len(got[b])]
+
+
+def test_bad_requests(pairs):
+    t, h = pairs("llama2_mha")
+    model, tok = eagle_mlx.load(str(t), eagle=str(h))
+    for kwargs, words in [(dict(max_batch=0), "max_batch"),
+                          (dict(settings=[GenerationSettings()]), "settings has 1 entries"),
+                          (dict(stop=[["x"]]), "stop has 1 entries"),
+                          (dict(max_tokens=[3]), "max_tokens has 1 values")]:
+        with pytest.raises(EagleError, match=words):
+            batch_generate(model, tok, [[5, 6], [7, 8]], **kwargs)
+    with pytest.raises(EagleError, match="vocabulary"):
+        batch_generate(model, tok, [[5, 6], [7, 999]])
+    gen = BatchGenerator(model, tok)
+    gen.add([5, 6, 7], max_tokens=4)
+    with pytest.raises(EagleError, match="temp"):
+        gen.add([5, 6], temp=-1.0)
+    assert len(gen.waiting) == 1  # the bad request queued nothing; the good one runs
+    out = []
+    while gen.busy:
+        out += gen.step()
+    assert out[-1][1].finish_reason == "length"
