@@ -28,6 +28,7 @@ from .errors import EagleError
 
 MAX_BODY_BYTES = 1 << 20  # default limit on a request body
 MAX_STOP_STRINGS = 4      # as OpenAI's API
+MAX_BATCH = 64            # --max-batch at most
 SHUTTING_DOWN = "the server is shutting down."
 
 
@@ -103,12 +104,14 @@ class Engine:
     it keeps. `run` is called on the main thread: MLX gives every thread its own streams,
     and a process whose other threads computed with MLX can abort as it exits."""
 
-    def __init__(self, model, tokenizer, model_id: str, log=None):
+    def __init__(self, model, tokenizer, model_id: str, log=None, max_batch: int = 1):
         """Under mlx.launch (model.group set) this is rank 0: every request is sent to the
-        other ranks (`follow`), which run the same generation on their shards."""
+        other ranks (`follow`), which run the same generation on their shards. max_batch > 1:
+        up to that many requests decode at once, continuously batched (`batch.py`)."""
         from .speculative import PromptCache
 
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
+        self.max_batch, self.running = max_batch, {}
         self.cache = PromptCache()
         self.jobs = queue.Queue()
         self.current, self.stopping = None, False
@@ -130,12 +133,16 @@ class Engine:
                 self.stopping = True
                 if self.current is not None:
                     self.current.cancelled.set()
+                for job, _ in list(self.running.values()):
+                    job.cancelled.set()
                 self.jobs.put(None)
 
     def run(self) -> None:
         """Serve the queued jobs until `stop`."""
         from .distributed import share_text
 
+        if self.max_batch > 1:
+            return self._run_batched()
         while True:
             job = self.current = self.jobs.get()
             if job is None:
@@ -174,17 +181,81 @@ class Engine:
                 job.events.put(("text", emit))
             if share_response_signal(group, FINISHED if finish else CONTINUE) != CONTINUE:
                 break
+        self._done(job, finish, last, self.cache.reused)
+
+    @staticmethod
+    def _done(job: Job, finish, last, cached: int) -> None:
         usage = {
             "prompt_tokens": len(job.ids),
             "completion_tokens": last.generation_tokens if last else 0,
             "total_tokens": len(job.ids) + (last.generation_tokens if last else 0),
-            "prompt_tokens_details": {"cached_tokens": self.cache.reused},
+            "prompt_tokens_details": {"cached_tokens": cached},
             "eagle": {"tau": round(last.mean_accept_length, 4) if last else 0.0,
                       "target_forwards": last.target_forwards if last else 0,
                       "speculative": bool(last and last.accept_lengths)},
         }
         job.events.put(("done", "stop" if finish in ("stop", "cancelled") else finish or "length",
                         usage))
+
+    def _run_batched(self) -> None:
+        """Serve the queued jobs continuously batched until `stop`: between cycles, new jobs
+        join (their prefill a chunk per cycle), finished and cancelled ones leave."""
+        from .batch import BatchGenerator
+
+        gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
+        last = {}
+        while True:
+            try:  # wait for work only when there is none
+                job = self.jobs.get(block=not gen.busy)
+            except queue.Empty:
+                job = False
+            while job is not False:
+                if job is None or self.stopping:
+                    if job is not None:
+                        job.events.put(("error", SHUTTING_DOWN))
+                    for uid, (j, _) in list(self.running.items()):
+                        self._done(j, "cancelled", last.get(uid), 0)
+                    self.running.clear()
+                    return
+                if job.cancelled.is_set():
+                    job.events.put(("error", SHUTTING_DOWN))
+                else:
+                    try:
+                        self.running[gen.add(job.ids, job.settings)] = (job, StopFilter(job.stop))
+                    except EagleError as e:
+                        job.events.put(("error", str(e)))
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    job = False
+            for uid, (j, _) in list(self.running.items()):
+                if j.cancelled.is_set():  # the client left
+                    gen.cancel(uid)
+                    del self.running[uid]
+                    self._done(j, "cancelled", last.pop(uid, None), 0)
+            try:
+                out = gen.step()
+            except Exception as e:  # the batch fails, the server does not
+                self.log(f"error: batched generation failed ({type(e).__name__}: {e})")
+                for j, _ in self.running.values():
+                    j.events.put(("error", "generation failed inside the server."))
+                self.running.clear()
+                last.clear()
+                gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
+                continue
+            for uid, r in out:
+                if uid not in self.running:
+                    continue
+                j, stops = self.running[uid]
+                last[uid] = r
+                emit, finish = stops.feed(r.text, r.finish_reason)
+                if emit:
+                    j.events.put(("text", emit))
+                if finish is not None:
+                    if r.finish_reason is None:  # a stop string: it leaves the batch
+                        gen.cancel(uid)
+                    del self.running[uid]
+                    self._done(j, finish, last.pop(uid), 0)
 
 
 def follow(model, tokenizer) -> None:
@@ -521,6 +592,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=512,
                    help="max_tokens of a request that gives none (capped by the context)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature of a request that gives none")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="requests decoded at once, continuously batched, each its own tree "
+                        "(default 1: one at a time, with a prompt cache kept across turns)")
     p.add_argument("--model-id", default=None, help="the id /v1/models reports (default: the path)")
     p.add_argument("--verbose", action="store_true", help="log every request")
     return p
@@ -542,9 +616,14 @@ def _main(argv) -> int:
         raise UsageError(str(e)) from None
     if args.temp > MAX_TEMPERATURE:
         raise UsageError(f"--temp must be in [0, {MAX_TEMPERATURE:g}] (got {args.temp}).")
+    if not 1 <= args.max_batch <= MAX_BATCH:
+        raise UsageError(f"--max-batch must be from 1 to {MAX_BATCH} (got {args.max_batch}).")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty.")
     model, tokenizer = load_from_args(args)
+    if model.group is not None and args.max_batch > 1:
+        raise UsageError("--max-batch runs on one machine; under mlx.launch serve one request at "
+                         "a time (--max-batch 1).")
     if model.group is not None and model.group.rank() != 0:
         follow(model, tokenizer)  # rank 0 serves; this rank runs its share of the work
         return 0
@@ -553,7 +632,7 @@ def _main(argv) -> int:
         server = Server((args.host, args.port), Handler)
     except OSError as e:
         raise EagleError(f"cannot listen on {args.host}:{args.port} ({e.strerror}).") from None
-    server.engine = Engine(model, tokenizer, model_id)
+    server.engine = Engine(model, tokenizer, model_id, max_batch=args.max_batch)
     server.api_key, server.max_body = args.api_key, args.max_body_bytes
     server.defaults = defaults
     server.verbose, server.started = args.verbose, int(time.time())
@@ -573,6 +652,8 @@ def _main(argv) -> int:
     mode = "plain decoding" if model.head is None else f"{model.head.kind} head"
     if model.lookup is not None:
         mode = "prompt lookup" if model.head is None else mode + " with prompt lookup"
+    if args.max_batch > 1:
+        mode += f", up to {args.max_batch} requests batched"
     print(f"serving {model_id} ({mode}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     try:
         server.engine.run()  # here, on the main thread, until a signal stops it

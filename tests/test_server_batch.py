@@ -1,0 +1,145 @@
+"""The server with continuous batching (`--max-batch`), run as a user runs it: concurrent
+clients each get exactly what the model writes for them alone."""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+import eagle_mlx
+from eagle_mlx.cli import chat_prompt
+from test_server import KEY, Running, local, openai, server_model, tiny_pair  # noqa: F401
+
+assert openai  # (the test_server module skips without the openai client)
+
+
+@pytest.fixture(scope="module")
+def batched(tiny_pair):  # noqa: F811
+    target, head = tiny_pair
+    s = Running(["--model", target, "--eagle", head, "--lookup", "--api-key", KEY,
+                 "--max-batch", 4])
+    yield s
+    assert s.stop() == 0, "".join(s.lines[-20:])
+
+
+@pytest.fixture(scope="module")
+def local_lookup(tiny_pair):  # noqa: F811
+    target, head = tiny_pair
+    return eagle_mlx.load(str(target), eagle=str(head), lookup=True)
+
+
+# six requests: prompts, lengths, temperatures (sampling with seeds) and stop strings differ
+REQUESTS = [dict(messages=[{"role": "user", "content": f"t{5 + i} t{20 + 3 * i} t{40 - i}"}],
+                 max_tokens=12 + 5 * i, temperature=[0, 0.8, 0, 1.0, 0.5, 0][i],
+                 seed=100 + i) for i in range(6)]
+
+
+def alone(local_lookup, req, stop=None):  # noqa: F811
+    """What the model writes for the request alone (stream_generate), cut at a stop string."""
+    model, tok = local_lookup
+    ids = chat_prompt(tok, req["messages"])
+    rs = list(eagle_mlx.stream_generate(model, tok, ids, max_tokens=req["max_tokens"],
+                                        temp=req["temperature"], seed=req["seed"]))
+    text = "".join(r.text for r in rs)
+    if stop and stop in text:
+        return text[: text.index(stop)], "stop"
+    return text, rs[-1].finish_reason
+
+
+def ask(server, req, out, i, stream=False):
+    c = server.client()
+    if stream:
+        chunks = list(c.chat.completions.create(model=server_model(server), stream=True, **req))
+        out[i] = ("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices),
+                  [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1])
+    else:
+        r = c.chat.completions.create(model=server_model(server), **req)
+        out[i] = (r.choices[0].message.content, r.choices[0].finish_reason)
+
+
+def test_concurrent_requests_each_equal_their_run_alone(batched, local_lookup):
+    """Six concurrent clients (4 decode at once, the others join as they finish), streamed
+    and not, greedy and seeded sampling, two with stop strings: each gets its own text and
+    finish reason as stream_generate writes it alone."""
+    reqs = [dict(r) for r in REQUESTS]
+    wants = []
+    for i, r in enumerate(reqs):
+        text, _ = alone(local_lookup, r)
+        if i in (1, 2) and len(text) > 10:
+            r["stop"] = [text[5:8]]
+        wants.append(alone(local_lookup, r, (r.get("stop") or [None])[0]))
+    got = [None] * 6
+    threads = [threading.Thread(target=ask, args=(batched, r, got, i, i % 2 == 0))
+               for i, r in enumerate(reqs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == wants
+
+
+def _open_stream(server, req):
+    body = json.dumps(dict(req, stream=True)).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                 + KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    seen = b""
+    while b"data: " not in seen:  # the stream has begun: the generation runs
+        seen += sock.recv(4096)
+    return sock
+
+
+def test_arrivals_disconnects_and_bad_requests_while_a_batch_runs(batched, local_lookup):
+    """A long stream runs; a second client arrives and leaves mid-answer; a bad request gets
+    its JSON error; two more arrive while the first streams: all that stayed get their own
+    text, and the log says the leaver's generation stopped."""
+    long_req = dict(messages=[{"role": "user", "content": "t9 t10"}], max_tokens=3000)
+    first = _open_stream(batched, long_req)
+    leaver = _open_stream(batched, dict(long_req, messages=[{"role": "user", "content": "t3"}]))
+    leaver.close()
+    status, data = batched.raw("POST", "/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "x"}],
+                                "temperature": -1})
+    assert status == 400 and "temperature" in json.loads(data)["error"]["message"]
+    got = [None] * 2
+    threads = [threading.Thread(target=ask, args=(batched, REQUESTS[i], got, j))
+               for j, i in enumerate((3, 4))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == [alone(local_lookup, REQUESTS[i]) for i in (3, 4)]
+    first.close()
+    deadline = time.time() + 20
+    while time.time() < deadline and sum("disconnected" in line for line in batched.lines) < 2:
+        time.sleep(0.1)
+    assert sum("disconnected; its generation was stopped" in line for line in batched.lines) >= 2
+
+
+def test_sigterm_with_a_batch_in_flight(tiny_pair):  # noqa: F811
+    """SIGTERM while three streams decode together: every client's stream is ended properly
+    (its last chunk, then [DONE]), and the server exits cleanly."""
+    target, head = tiny_pair
+    s = Running(["--model", target, "--eagle", head, "--api-key", KEY, "--max-batch", 3])
+    try:
+        socks = [_open_stream(s, dict(messages=[{"role": "user", "content": f"t{i}"}],
+                                      max_tokens=3000)) for i in (4, 7, 9)]
+        s.proc.terminate()
+        assert s.proc.wait(timeout=60) == 0, "".join(s.lines[-20:])
+        for sock in socks:
+            sock.settimeout(30)
+            rest = b""
+            while True:
+                part = sock.recv(65536)
+                if not part:
+                    break
+                rest += part
+            assert b"[DONE]" in rest  # the stream was ended, not cut
+            sock.close()
+        assert any("server stopped" in line for line in s.lines)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
