@@ -51,7 +51,8 @@ from .errors import EagleError  # noqa: E402
 _LAZY = {"load_head": "checkpoint", "GenerationResponse": "generation", "generate": "generation",
          "stream_generate": "generation", "PromptCache": "speculative", "EagleModel": "model",
          "load": "model", "Target": "target", "load_target": "target",
-         "GenerationSettings": "values", "LookupSettings": "lookup"}
+         "GenerationSettings": "values", "LookupSettings": "lookup",
+         "batch_generate": "batch", "BatchGenerator": "batch"}
 
 
 def __getattr__(name):
@@ -66,5 +67,5 @@ def __getattr__(name):
 
 __version__ = "0.1.0"
 __all__ = ["EagleError", "EagleModel", "GenerationResponse", "GenerationSettings", "Target",
-           "generate", "load", "LookupSettings",
+           "generate", "load", "LookupSettings", "batch_generate", "BatchGenerator",
            "load_head", "load_target", "PromptCache", "stream_generate"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import eagle_mlx
-from eagle_mlx.batch import BatchGenerator, batch_generate
+from eagle_mlx import BatchGenerator, batch_generate
 from eagle_mlx.engine import Engine, SamplingParams
 from eagle_mlx.errors import EagleError
 from eagle_mlx.values import GenerationSettings
