@@ -5,7 +5,6 @@ other test files hold against transformers, and whose sampling against the targe
 distribution); the batch must give the same tokens (greedy), the same draws (sampling with
 a seed), and after every cycle caches equal to those the sequence keeps alone."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
 

@@ -10,7 +10,7 @@ import pytest
 
 import eagle_mlx
 from eagle_mlx.cli import chat_prompt
-from test_server import KEY, Running, local, openai, server_model, tiny_pair  # noqa: F401
+from test_server import KEY, Running, openai, server_model, tiny_pair  # noqa: F401
 
 assert openai  # (the test_server module skips without the openai client)
 
