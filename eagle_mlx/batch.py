@@ -57,10 +57,10 @@ class RootDrafter:
 class _Sequence:
     uid: int
     ids: List[int]
-    engine: Engine
-    state: State
     settings: GenerationSettings
-    plain: bool
+    engine: Optional[Engine] = None   # (made when it joins: its tree is the batch size's)
+    state: Optional[State] = None
+    plain: bool = True
     steps: deque = field(default_factory=deque)
     responses: Optional[Iterator] = None
     prefill: Optional[Iterator] = None
@@ -112,17 +112,24 @@ class BatchGenerator:
             _check(not kwargs, "give the settings either as a GenerationSettings or as keyword "
                                "arguments, not both.")
         run = prepare(self.model, self.tokenizer, prompt, settings)
-        plain = run.drafter is None
-        drafter = RootDrafter() if plain else run.drafter
-        engine = Engine(self.target, drafter, run.sampling, run.max_context)
-        engine.taps = self.taps if drafter.features is not None else ()
-        state = State(self.target.make_cache(), drafter.new_state(), keys=run.keys)
         self._uid += 1
-        seq = _Sequence(self._uid, run.ids, engine, state, settings, plain)
+        seq = _Sequence(self._uid, run.ids, settings)
         seq.responses = _responses(self.tokenizer, run.ids, self._pull(seq), settings.max_tokens,
                                    reset_peak=False)
         self.waiting.append(seq)
         return seq.uid
+
+    def _start(self, seq: _Sequence, batch: int) -> None:
+        """A sequence's drafter, sampling and state as it joins a batch of `batch`: the
+        benchmark's choice for that size (where it measured batches) picks the tree."""
+        from .generation import prepare
+
+        run = prepare(self.model, self.tokenizer, seq.ids, seq.settings, batch=batch)
+        seq.plain = run.drafter is None
+        drafter = RootDrafter() if seq.plain else run.drafter
+        seq.engine = Engine(self.target, drafter, run.sampling, run.max_context)
+        seq.engine.taps = self.taps if drafter.features is not None else ()
+        seq.state = State(self.target.make_cache(), drafter.new_state(), keys=run.keys)
 
     @staticmethod
     def _pull(seq: _Sequence):
@@ -165,6 +172,7 @@ class BatchGenerator:
                 return None
             self.joining = self.waiting.popleft()
             seq = self.joining
+            self._start(seq, len(self.active) + 1)
             seq.prefill = seq.engine.prefill_chunks(seq.state, seq.ids, 0, self.prefill_chunk)
         seq = self.joining
         try:

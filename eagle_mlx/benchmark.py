@@ -362,6 +362,10 @@ def build_parser():
     p.add_argument("--draft-vocabs", type=int, nargs="+", default=None,
                    help="EAGLE-1 heads: also measure the chosen tree with these draft "
                         "vocabulary sizes (0: the whole vocabulary) and keep the fastest")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                   help="also measure continuous batching at these batch sizes (plain and every "
+                        "tree, aggregate tokens/s) and choose a tree (or plain decoding) per size, "
+                        "which the server's --max-batch uses")
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="eagle_benchmark.json", help="JSON report")
@@ -390,6 +394,8 @@ def check_args(args):
     except EagleError as e:
         raise UsageError(str(e)) from None
     lookup_from_args(args)  # the lookup settings, before prompts or the model load
+    if args.batch_sizes is not None and not all(1 <= b <= 64 for b in args.batch_sizes):
+        raise UsageError(f"--batch-sizes must be from 1 to 64 (got {args.batch_sizes}).")
     trees = parse_trees(args.trees)
     if args.draft_vocabs is not None and any(n < 0 for n in args.draft_vocabs):
         raise UsageError(f"--draft-vocabs must be 0 (the whole vocabulary) or positive sizes "
@@ -635,6 +641,9 @@ def _main(argv):
         tree = {k: choice[k] for k in ("total_tokens", "depth", "draft_top_k")}
         choice["draft_vocab"], report["draft_vocabs"] = choose_draft_vocab(
             model, tokenizer, encoded, args, tree)
+    if args.batch_sizes:
+        report["batch"] = batch_report(model, tokenizer, encoded, args, trees)
+        choice["batch"] = {b: r["choice"] for b, r in report["batch"].items()}
     if merged_lookup is not None:
         report["lookup"] = merged_lookup
         if merged_lookup.get("lookup_accept"):
@@ -644,6 +653,46 @@ def _main(argv):
     if writes:
         write(report, output, plot_path, args, model)
     return 0
+
+
+def batch_report(model, tokenizer, encoded, args, trees) -> dict:
+    """Continuous batching at every --batch-sizes B: B prompts (the benchmark's, cycled)
+    decoded together, plain and with every tree, greedy; aggregate tokens/s of each, and
+    the choice for B: the fastest tree, or plain decoding where none beats it."""
+    from .batch import batch_generate
+    from .values import GenerationSettings
+
+    out = {}
+    modes = [None] + trees
+    for B in sorted(set(args.batch_sizes)):
+        ids = [encoded[i % len(encoded)][1] for i in range(B)]
+        rows, plain_tokens = [], None
+        for tree in modes:
+            s = GenerationSettings(max_tokens=args.max_tokens, speculate=tree is not None,
+                                   **(tree or {}))
+            res = batch_generate(model, tokenizer, ids, settings=[s] * B, max_batch=B)
+            tokens = [r.tokens for r in res.results]
+            taus = [r.mean_accept_length for r in res.results]
+            row = {"tree": tree, "tokens_per_second": res.stats["generation_tps"],
+                   "tau": statistics.mean(taus) if tree else 1.0}
+            if tree is None:
+                plain_tokens = tokens
+            else:
+                row["identical_to_plain"] = tokens == plain_tokens
+            rows.append(row)
+        plain_tps = rows[0]["tokens_per_second"]
+        for r in rows:
+            r["speedup"] = r["tokens_per_second"] / max(plain_tps, 1e-9)
+        best = max(rows[1:], key=lambda r: r["speedup"])
+        choice = {"speculate": best["speedup"] > 1.0, **best["tree"],
+                  "measured_speedup": best["speedup"], "tau": best["tau"]}
+        out[str(B)] = {"rows": rows, "choice": choice}
+        print(f"batch {B}: plain {plain_tps:.1f} tok/s; " + ", ".join(
+            f"{r['tree']['total_tokens']}/{r['tree']['depth']}/{r['tree']['draft_top_k']} "
+            f"{r['tokens_per_second']:.1f} tok/s (tau {r['tau']:.2f})" for r in rows[1:]) +
+            f"; choice: {'tree ' + str(best['tree']['total_tokens']) if choice['speculate'] else 'plain'}",
+            file=sys.stderr)
+    return out
 
 
 def lookup_report(model, tokenizer, encoded, args) -> dict:

@@ -52,16 +52,17 @@ def check_tree(model, total_tokens, depth, draft_top_k, tree_choices) -> None:
 
 
 def tree_plan(model, total_tokens=None, depth=None, draft_top_k=None, tree_choices=None,
-              speculate=None) -> Optional[dict]:
+              speculate=None, batch: Optional[int] = None) -> Optional[dict]:
     """The tree a generation will use (None: plain decoding): explicit settings over the
-    benchmark's tuning over the defaults. speculate as in `stream_generate`."""
+    benchmark's tuning (for a batch of `batch` sequences, where it measured batches) over
+    the defaults. speculate as in `stream_generate`."""
     if speculate is None:
         explicit = any(x is not None for x in (total_tokens, depth, draft_top_k, tree_choices))
-        speculate = model.head is not None and (explicit or model.speculates)
+        speculate = model.head is not None and (explicit or model.speculates_at(batch))
     _check(not speculate or model.head is not None, "speculative decoding needs an EAGLE head.")
     if not speculate:
         return None
-    tree = model.tree_settings()
+    tree = model.tree_settings(batch)
     if draft_top_k is None and tree_choices:  # a static tree's ranks set its top-k
         draft_top_k = max(tree["draft_top_k"], static_top_k(tree_choices))
     for key, value in (("total_tokens", total_tokens), ("depth", depth),
@@ -124,9 +125,10 @@ class Prepared:
 
 
 def prepare(model, tokenizer, prompt, settings: GenerationSettings,
-            prompt_cache: Optional[PromptCache] = None) -> Prepared:
+            prompt_cache: Optional[PromptCache] = None, batch: Optional[int] = None) -> Prepared:
     """Check a request against the model (one sentence for what is wrong) and choose its
-    drafter: the head's tree, prompt lookup alone or merged into it, or none."""
+    drafter: the head's tree, prompt lookup alone or merged into it, or none (batch: the
+    size of the batch it decodes in, whose tuning chooses)."""
     _check(isinstance(settings, GenerationSettings),
            "settings must be an eagle_mlx.GenerationSettings.")
     settings.check()
@@ -141,7 +143,7 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
     lookup = getattr(model, "lookup", None)  # prompt lookup: alone, or merged with the head
     alone = lookup is not None and model.head is None
     tree = None if alone else tree_plan(model, total_tokens, depth, draft_top_k, tree_choices,
-                                        s.speculate)
+                                        s.speculate, batch)
     speculate = tree is not None
     # where the benchmark found that the head's trees do not pay, lookup drafts alone
     alone = alone or (lookup is not None and not speculate)

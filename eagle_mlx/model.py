@@ -28,12 +28,28 @@ class EagleModel:
     @property
     def speculates(self) -> bool:
         """False where the benchmark found that speculation does not pay on this machine."""
-        return self.head is not None and bool((self.tuning or {}).get("speculate", True))
+        return self.speculates_at(None)
 
-    def tree_settings(self) -> dict:
+    def batch_tuning(self, batch: Optional[int]) -> Optional[dict]:
+        """The benchmark's choice for a batch of `batch` sequences (that of the largest
+        measured size not above it; None: single-stream decoding, or none measured)."""
+        sizes = {int(k): v for k, v in ((self.tuning or {}).get("batch") or {}).items()}
+        if batch is None or not sizes or batch < 2:
+            return None
+        below = [b for b in sizes if b <= batch]
+        return sizes[max(below)] if below else None
+
+    def speculates_at(self, batch: Optional[int]) -> bool:
+        tuning = self.batch_tuning(batch) or self.tuning or {}
+        return self.head is not None and bool(tuning.get("speculate", True))
+
+    def tree_settings(self, batch: Optional[int] = None) -> dict:
+        """The tree to draft: the benchmark's choice (for this batch size, where it measured
+        batches) over the default."""
         settings = dict(DEFAULT_TREE)
-        if self.tuning:
-            settings.update({k: self.tuning[k] for k in DEFAULT_TREE if k in self.tuning})
+        tuning = self.batch_tuning(batch) or self.tuning
+        if tuning:
+            settings.update({k: tuning[k] for k in DEFAULT_TREE if k in tuning})
         return settings
 
 

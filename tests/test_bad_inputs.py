@@ -157,6 +157,7 @@ CASES = [
     ("benchmark", BENCH + ["--max-tokens", "100"], 2, "no room for a prompt"),
     ("benchmark", BENCH + ["--draft-vocabs", "8192", "-1"], 2, "--draft-vocabs"),
     ("benchmark", BENCH + ["--lookup", "--lookup-max-draft", "0"], 2, "--lookup-max-draft"),
+    ("benchmark", BENCH + ["--batch-sizes", "0"], 2, "--batch-sizes must be from 1 to 64"),
     ("server", ["--model", "{T}", "--lookup", "--lookup-min-match", "0"], 2, "--lookup-min-match"),
     ("server", ["--model", "{T}", "--port", "70000"], 2, "--port"),
     ("server", ["--model", "{T}", "--max-body-bytes", "10"], 2, "--max-body-bytes"),

@@ -233,3 +233,35 @@ def test_bad_requests(pairs):
     while gen.busy:
         out += gen.step()
     assert out[-1][1].finish_reason == "length"
+
+
+def test_the_batch_size_tuning_picks_each_joining_sequence_tree(pairs, tmp_path, monkeypatch):
+    """With the benchmark's per-batch-size choices saved (here: a tree of 8 alone, plain
+    decoding in a batch of 2, a tree of 4 from 3 sequences on), each sequence drafts the
+    choice for the batch size it joins, and writes what stream_generate writes alone with
+    that choice given explicitly."""
+    from eagle_mlx.tuning import write_tuning
+
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path))
+    t, h = pairs("llama2_mha")
+    model, tok = eagle_mlx.load(str(t), eagle=str(h))
+    tree4 = dict(total_tokens=4, depth=2, draft_top_k=2)
+    write_tuning(model.head_path, model.target.path, model.target.dtype, {
+        "speculate": True, **TREE, "batch": {"2": {"speculate": False, **TREE},
+                                             "3": {"speculate": True, **tree4}}})
+    model, tok = eagle_mlx.load(str(t), eagle=str(h))
+    assert model.tree_settings(5) == tree4 and not model.speculates_at(2)
+    gen = BatchGenerator(model, tok, max_batch=3)
+    uids = [gen.add(p, max_tokens=20) for p in PROMPTS[:3]]
+    got, trees = {u: [] for u in uids}, {}
+    while gen.busy:
+        for uid, r in gen.step():
+            got[uid] += r.tokens
+        for s in gen.active:
+            d = s.engine.drafter
+            trees.setdefault(s.uid, None if s.plain else d.total_tokens)
+    assert [trees[u] for u in uids] == [8, None, 4]
+    for u, p, s in zip(uids, PROMPTS, [GenerationSettings(max_tokens=20, **TREE),
+                                       GenerationSettings(max_tokens=20, speculate=False),
+                                       GenerationSettings(max_tokens=20, **tree4)]):
+        assert got[u] == alone(model, tok, p, s)[0]

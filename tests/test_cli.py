@@ -139,6 +139,7 @@ def test_benchmark_writes_json_png_and_tuning(pair, tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     proc = cli("benchmark", "--model", target, "--eagle", head_copy, "--prompts", prompts,
                "--max-tokens", 12, "--trees", "4/2/2,8/3/2", "--temps", 0, 1,
+               "--batch-sizes", 1, 3,
                "--output", out, "--save-tuning", env={"EAGLE_MLX_CACHE": str(cache)})
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
@@ -159,6 +160,16 @@ def test_benchmark_writes_json_png_and_tuning(pair, tmp_path, monkeypatch):
     assert model.speculates == choice["speculate"]
     if choice["speculate"]:
         assert model.tree_settings() == {k: choice[k] for k in ("total_tokens", "depth", "draft_top_k")}
+    # continuous batching measured per batch size (every tree's batch = plain's tokens), and
+    # the choice per size saved and read back
+    assert set(report["batch"]) == {"1", "3"}
+    for b in ("1", "3"):
+        rows = report["batch"][b]["rows"]
+        assert rows[0]["tree"] is None and [r["tree"] for r in rows[1:]] == measured
+        assert all(r["identical_to_plain"] for r in rows[1:])
+        assert saved["choice"]["batch"][b] == report["batch"][b]["choice"]
+    assert model.batch_tuning(3) == report["batch"]["3"]["choice"]
+    assert model.speculates_at(4) == report["batch"]["3"]["choice"]["speculate"]
     # another target dtype (or machine, head, target) does not see it
     other, _ = eagle_mlx.load(str(target), eagle=str(head_copy), dtype="float16")
     assert other.tuning is None
