@@ -137,6 +137,16 @@ class Engine:
                     job.cancelled.set()
                 self.jobs.put(None)
 
+    def _next_job(self):
+        """The next job, waited for in short slices: Python runs a signal's handler only on
+        the main thread between bytecodes, and a signal the kernel hands to another thread
+        (MLX's, BLAS's) would otherwise wait behind a wait that never ends."""
+        while True:
+            try:
+                return self.jobs.get(timeout=0.25)
+            except queue.Empty:
+                pass
+
     def run(self) -> None:
         """Serve the queued jobs until `stop`."""
         from .distributed import share_text
@@ -144,7 +154,7 @@ class Engine:
         if self.max_batch > 1:
             return self._run_batched()
         while True:
-            job = self.current = self.jobs.get()
+            job = self.current = self._next_job()
             if job is None:
                 share_text(self.model.group, None)  # the other ranks stop too
                 return
@@ -205,10 +215,12 @@ class Engine:
         gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
         last = {}
         while True:
-            try:  # wait for work only when there is none
-                job = self.jobs.get(block=not gen.busy)
-            except queue.Empty:
-                job = False
+            job = False if gen.busy else self._next_job()  # wait for work only when there is none
+            if job is False:
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    pass
             while job is not False:
                 if job is None or self.stopping:
                     if job is not None:
