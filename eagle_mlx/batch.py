@@ -61,6 +61,8 @@ class _Sequence:
     engine: Optional[Engine] = None   # (made when it joins: its tree is the batch size's)
     state: Optional[State] = None
     plain: bool = True
+    prompt_cache: Optional[object] = None  # a PromptCache reused at the join, left at the end
+    start: int = 0                          # prompt tokens the prompt cache held at the join
     steps: deque = field(default_factory=deque)
     responses: Optional[Iterator] = None
     prefill: Optional[Iterator] = None
@@ -101,11 +103,17 @@ class BatchGenerator:
         return len(self.active)
 
     def add(self, prompt: Union[str, Seq[int]], settings: Optional[GenerationSettings] = None,
-            **kwargs) -> int:
+            prompt_cache=None, **kwargs) -> int:
         """Queue a generation (checked now: a bad request raises EagleError and nothing is
-        queued); returns its id. settings (or stream_generate's keyword arguments)."""
+        queued); returns its id. settings (or stream_generate's keyword arguments).
+        prompt_cache: a `PromptCache` (as stream_generate's) — the prompt is prefilled only
+        from where it differs from what the cache holds, and the cache holds this sequence
+        when it leaves the batch (the next turn of a conversation reuses it)."""
         from .generation import _responses, prepare
+        from .speculative import PromptCache
 
+        _check(prompt_cache is None or isinstance(prompt_cache, PromptCache),
+               "prompt_cache must be an eagle_mlx.PromptCache.")
         if settings is None:
             settings = GenerationSettings(**kwargs)
         else:
@@ -113,7 +121,7 @@ class BatchGenerator:
                                "arguments, not both.")
         run = prepare(self.model, self.tokenizer, prompt, settings)
         self._uid += 1
-        seq = _Sequence(self._uid, run.ids, settings)
+        seq = _Sequence(self._uid, run.ids, settings, prompt_cache=prompt_cache)
         seq.responses = _responses(self.tokenizer, run.ids, self._pull(seq), settings.max_tokens,
                                    reset_peak=False)
         self.waiting.append(seq)
@@ -129,7 +137,13 @@ class BatchGenerator:
         drafter = RootDrafter() if seq.plain else run.drafter
         seq.engine = Engine(self.target, drafter, run.sampling, run.max_context)
         seq.engine.taps = self.taps if drafter.features is not None else ()
-        seq.state = State(self.target.make_cache(), drafter.new_state(), keys=run.keys)
+        pc, seq.start = seq.prompt_cache, 0
+        if pc is None:
+            seq.state = State(self.target.make_cache(), drafter.new_state(), keys=run.keys)
+        else:
+            seq.start = pc.reuse(self.target, None if seq.plain else drafter, seq.ids)
+            seq.state = pc.state()
+            seq.state.keys = run.keys
 
     @staticmethod
     def _pull(seq: _Sequence):
@@ -146,6 +160,11 @@ class BatchGenerator:
             self._keep_rows(keep)
 
     def _keep_rows(self, keep: List[int]) -> None:
+        for b, s in enumerate(self.active):  # a leaving sequence's cache, for its next turn
+            if b not in keep and s.prompt_cache is not None:
+                pc = s.prompt_cache
+                pc.target = self.target.batch_extract(self.caches, b, s.state.n)
+                pc.record(s.state)
         self.active = [self.active[i] for i in keep]
         if not self.active:
             self.caches = None
@@ -173,7 +192,8 @@ class BatchGenerator:
             self.joining = self.waiting.popleft()
             seq = self.joining
             self._start(seq, len(self.active) + 1)
-            seq.prefill = seq.engine.prefill_chunks(seq.state, seq.ids, 0, self.prefill_chunk)
+            seq.prefill = seq.engine.prefill_chunks(seq.state, seq.ids, seq.start,
+                                                    self.prefill_chunk)
         seq = self.joining
         try:
             next(seq.prefill)

@@ -334,6 +334,21 @@ class RaggedKVCache:
         self.lengths.append(n)
         self.bases.append(base)
 
+    def extract(self, b: int, window=None):
+        """Row b as a sequence's own cache (`TreeKVCache`, or a `WindowKVCache` of `window`),
+        copied: what it keeps for its next turn after leaving the batch."""
+        k, v = self.row(b)
+        c = TreeKVCache() if window is None else WindowKVCache(window)
+        n = self.held[b]
+        step = TreeKVCache.step
+        size = ((n + step - 1) // step + 1) * step
+        c.keys = mx.pad(k, [(0, 0), (0, 0), (0, size - n), (0, 0)])
+        c.values = mx.pad(v, [(0, 0), (0, 0), (0, size - n), (0, 0)])
+        c.offset = self.lengths[b]
+        if window is not None:
+            c.base = self.bases[b]
+        return c
+
     def filter(self, rows) -> None:
         """Keep only `rows` (indices, in order): the others have left the batch."""
         idx = mx.array(list(rows), dtype=mx.int32)
@@ -367,6 +382,13 @@ class BatchRecurrentCache:
     def filter(self, rows) -> None:
         idx = mx.array(list(rows), dtype=mx.int32)
         self.windows, self.states = self.windows[idx], self.states[idx]
+
+    def extract(self, b: int, offset: int) -> "RecurrentCache":
+        """Row b as a sequence's own `RecurrentCache` (holding `offset` positions)."""
+        c = RecurrentCache(self.conv_rows)
+        c[0], c[1] = self.windows[b: b + 1], self.states[b: b + 1]
+        c.offset = offset
+        return c
 
     def commit(self, kept) -> None:
         """Each row keeps the state of its deepest accepted node and the window ending at it

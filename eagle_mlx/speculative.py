@@ -46,8 +46,7 @@ class PromptCache:
         """Make the caches hold a prefix of `prompt` (at most all but its last token) and
         return its length; 0 when nothing can be reused (then the caches are fresh)."""
         owner = (target, None if drafter is None else drafter.owner)
-        if not self.valid or self.owner is None or self.owner[0] is not owner[0] \
-                or self.owner[1] is not owner[1]:
+        if not self.valid or self.owner is None or not _same(self.owner, owner):
             self.reset()
             self.owner, self.drafter = owner, drafter
             self.target = target.make_cache()
@@ -83,6 +82,14 @@ class PromptCache:
         """The caches are consistent again after a step: remember them for the next call."""
         self.tokens, self.features, self.length = state.history, state.feats, state.n
         self.valid = True
+
+
+def _same(a, b) -> bool:
+    """Whether two owners are the same objects (owners are objects, or tuples of them: a
+    merged drafter's is its parts')."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a is b
 
 
 def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import TreeKVCache
+from .cache import RaggedKVCache, TreeKVCache
 from .errors import EagleError, reason
 from .families import FAMILIES, AttentionMechanism, Forward, LinearAttentionMechanism, \
     RopeContext, family_of, install_positions, untruncated_yarn
@@ -161,6 +161,12 @@ class Target:
         """Add a sequence (its own caches after its prefill) as the batch's last row."""
         for bc, c in zip(batch, caches):
             bc.extend(c)
+
+    def batch_extract(self, batch, b: int, length: int) -> list:
+        """Row b of a batch (holding `length` positions) as a sequence's own caches."""
+        kept = [m for m in self.mechanisms if m.source is None]
+        return [bc.extract(b, m.window) if isinstance(bc, RaggedKVCache) else
+                bc.extract(b, length) for m, bc in zip(kept, batch)]
 
     @staticmethod
     def batch_filter(batch, rows) -> None:

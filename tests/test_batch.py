@@ -265,3 +265,42 @@ def test_the_batch_size_tuning_picks_each_joining_sequence_tree(pairs, tmp_path,
                                        GenerationSettings(max_tokens=20, speculate=False),
                                        GenerationSettings(max_tokens=20, **tree4)]):
         assert got[u] == alone(model, tok, p, s)[0]
+
+
+@pytest.mark.parametrize("name", ["llama2_mha", "gemma3_swa", "qwen3_5"])
+def test_prompt_caches_carry_each_conversation_to_its_next_turn(pairs, name):
+    """Three conversations of two turns each, batched, each with its own PromptCache: the
+    second turn (the first turn's prompt and answer, then more) is prefilled only from where
+    it differs, and every turn equals stream_generate's with a PromptCache of its own."""
+    from eagle_mlx import PromptCache
+
+    t, h = pairs(name)
+    model, tok = eagle_mlx.load(str(t), eagle=str(h), lookup=True)
+    s = [GenerationSettings(max_tokens=14, **TREE), GenerationSettings(max_tokens=10),
+         GenerationSettings(max_tokens=12, temp=0.8, seed=4, **TREE)]
+    firsts = PROMPTS[1:4]
+    want, alone_caches = [], []
+    for p, st in zip(firsts, s):  # alone: each conversation with its own cache
+        pc = PromptCache()
+        a = [x for r in eagle_mlx.stream_generate(model, tok, p, settings=st, prompt_cache=pc)
+             for x in r.tokens]
+        second = p + a + [7, 8, 9]
+        b = [x for r in eagle_mlx.stream_generate(model, tok, second, settings=st,
+                                                  prompt_cache=pc) for x in r.tokens]
+        want.append((a, b, pc.reused))
+    caches = [PromptCache() for _ in firsts]
+    gen = BatchGenerator(model, tok, max_batch=3)
+    uids = [gen.add(p, st, prompt_cache=c) for p, st, c in zip(firsts, s, caches)]
+    got = {u: [] for u in uids}
+    while gen.busy:
+        for uid, r in gen.step():
+            got[uid] += r.tokens
+    seconds = [p + got[u] + [7, 8, 9] for p, u in zip(firsts, uids)]
+    uids2 = [gen.add(q, st, prompt_cache=c) for q, st, c in zip(seconds, s, caches)]
+    got2 = {u: [] for u in uids2}
+    while gen.busy:
+        for uid, r in gen.step():
+            got2[uid] += r.tokens
+    for (a, b, reused), u, u2, c, p in zip(want, uids, uids2, caches, firsts):
+        assert got[u] == a and got2[u2] == b
+        assert c.reused == reused > len(p)  # the first turn's prompt and (most of) its answer
