@@ -52,23 +52,29 @@ class PromptCache:
             self.target = target.make_cache()
             self.draft = None if drafter is None else drafter.new_state()
             return 0
-        common = 0
-        limit = min(self.length, len(self.tokens), len(prompt) - 1)
-        while common < limit and self.tokens[common] == prompt[common]:
-            common += 1
-        if not target.reusable(self.target, common):
-            # a sliding window has dropped positions the new tokens would see: start over
-            self.target = target.make_cache()
-            self.draft = None if drafter is None else drafter.new_state()
-            self.features, common = None, 0
+        agree, most = 0, min(len(self.tokens), len(prompt))
+        while agree < most and self.tokens[agree] == prompt[agree]:
+            agree += 1
+        common = min(agree, self.length, len(prompt) - 1)
         if self.draft is not None:
+            # the drafter's entry p pairs position p's features with token p + 1, so it may
+            # keep only the entries whose next token agrees too; where it holds more, it
+            # forgets back to those and the target to the same point (the features of the
+            # positions in between are no longer held)
             seen = self.drafter.offset(self.draft)
-            if common < seen:
-                self.drafter.truncate(self.draft, common)  # the pending features are too late
+            if seen > max(agree - 1, 0) or common < seen:
+                common = max(min(common, agree - 1), 0)
+                self.drafter.truncate(self.draft, common)
                 self.features = None
             elif self.features is not None:
                 keep = common - seen
                 self.features = self.features[:keep] if keep > 0 else None
+        if not target.reusable(self.target, common):
+            # a sliding window has dropped positions the new tokens would see, or a
+            # recurrent state cannot go back: start over
+            self.target = target.make_cache()
+            self.draft = None if drafter is None else drafter.new_state()
+            self.features, common = None, 0
         target.truncate(self.target, common)
         self.tokens, self.length = self.tokens[:common], common
         self.valid, self.reused = False, common

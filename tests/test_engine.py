@@ -564,10 +564,12 @@ def test_prompt_cache_prefills_only_what_changed(pair, monkeypatch, speculate):
     assert second == run(second_prompt)
     # the caches held the first prompt and the output but its last token (or more)
     assert prefill <= 4, (prefill, len(second_prompt))
-    # a prompt that leaves the conversation early reuses only the common start
+    # a prompt that leaves the conversation early reuses only the common start (with a head:
+    # one token less, as the head's entry at the last common position was made with the old
+    # next token; a fresh run drafts from the new one)
     third_prompt = first_prompt[:3] + [21, 23]
     third = run(third_prompt, cache)
-    assert prefilled() == 2 and third == run(third_prompt)
+    assert prefilled() == (3 if speculate else 2) and third == run(third_prompt)
     # a generation abandoned mid-stream leaves a cache the next call can still use
     stream = eagle_mlx.stream_generate(model, tok, first_prompt, max_tokens=30,
                                        speculate=speculate, prompt_cache=cache)
@@ -576,6 +578,22 @@ def test_prompt_cache_prefills_only_what_changed(pair, monkeypatch, speculate):
     fourth = first_prompt + partial + [29]
     reused = run(fourth, cache)
     assert prefilled() < len(fourth) and reused == run(fourth)
+
+
+def test_a_reused_prompt_cache_drafts_what_a_fresh_run_drafts(pair):
+    """Sampling with a seed after a prompt cache made for another prompt that shares a
+    prefix: the trees (so the draws) are a fresh run's, so the tokens are identical — the
+    head keeps no entry made with the other prompt's next token."""
+    _, model, tok = pair
+    for seed in range(8):
+        kw = dict(max_tokens=24, temp=0.7, seed=seed, total_tokens=8, depth=3, draft_top_k=2)
+        first, second = [5, 6, 7, 8, 9, 10, 11] + [20 + seed], [5, 6, 7, 8, 9, 10, 11, 40, 3]
+        fresh = [t for r in eagle_mlx.stream_generate(model, tok, second, **kw) for t in r.tokens]
+        pc = eagle_mlx.PromptCache()
+        list(eagle_mlx.stream_generate(model, tok, first, prompt_cache=pc, **kw))
+        reused = [t for r in eagle_mlx.stream_generate(model, tok, second, prompt_cache=pc, **kw)
+                  for t in r.tokens]
+        assert pc.reused == 6 and reused == fresh, seed
 
 
 # ---------------------------------------------------------- a reduced draft vocabulary
