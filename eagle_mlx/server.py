@@ -112,6 +112,7 @@ class Engine:
 
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.max_batch, self.running = max_batch, {}
+        self.pool = []  # batched: the prompt caches of the latest finished requests
         self.cache = PromptCache()
         self.jobs = queue.Queue()
         self.current, self.stopping = None, False
@@ -207,13 +208,38 @@ class Engine:
         job.events.put(("done", "stop" if finish in ("stop", "cancelled") else finish or "length",
                         usage))
 
+    def _cache_for(self, ids):
+        """The kept prompt cache (of a finished request) sharing the longest prefix with
+        `ids`, taken out of the pool while its request runs; a new one where none does."""
+        from .speculative import PromptCache
+
+        best, most = None, 0
+        for pc in self.pool:
+            n, limit = 0, min(pc.length, len(ids) - 1)
+            while n < limit and pc.tokens[n] == ids[n]:
+                n += 1
+            if n > most:
+                best, most = pc, n
+        if best is None:
+            return PromptCache()
+        self.pool.remove(best)
+        best.reused = 0  # (until its request joins)
+        return best
+
+    def _leave(self, pc) -> int:
+        """A finished request's prompt cache back into the pool (at most --max-batch kept,
+        the oldest dropped); returns the prompt tokens it found cached."""
+        self.pool.append(pc)
+        del self.pool[: -self.max_batch]
+        return pc.reused
+
     def _run_batched(self) -> None:
         """Serve the queued jobs continuously batched until `stop`: between cycles, new jobs
         join (their prefill a chunk per cycle), finished and cancelled ones leave."""
         from .batch import BatchGenerator
 
         gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
-        last = {}
+        last, caches = {}, {}
         while True:
             job = False if gen.busy else self._next_job()  # wait for work only when there is none
             if job is False:
@@ -232,8 +258,10 @@ class Engine:
                 if job.cancelled.is_set():
                     job.events.put(("error", SHUTTING_DOWN))
                 else:
+                    pc = self._cache_for(job.ids)
                     try:
-                        self.running[gen.add(job.ids, job.settings)] = (job, StopFilter(job.stop))
+                        uid = gen.add(job.ids, job.settings, prompt_cache=pc)
+                        self.running[uid], caches[uid] = (job, StopFilter(job.stop)), pc
                     except EagleError as e:
                         job.events.put(("error", str(e)))
                 try:
@@ -244,7 +272,7 @@ class Engine:
                 if j.cancelled.is_set():  # the client left
                     gen.cancel(uid)
                     del self.running[uid]
-                    self._done(j, "cancelled", last.pop(uid, None), 0)
+                    self._done(j, "cancelled", last.pop(uid, None), self._leave(caches.pop(uid)))
             try:
                 out = gen.step()
             except Exception as e:  # the batch fails, the server does not
@@ -267,7 +295,7 @@ class Engine:
                     if r.finish_reason is None:  # a stop string: it leaves the batch
                         gen.cancel(uid)
                     del self.running[uid]
-                    self._done(j, finish, last.pop(uid), 0)
+                    self._done(j, finish, last.pop(uid), self._leave(caches.pop(uid)))
 
 
 def follow(model, tokenizer) -> None:

@@ -105,13 +105,16 @@ def test_arrivals_disconnects_and_bad_requests_while_a_batch_runs(batched, local
                                 "temperature": -1})
     assert status == 400 and "temperature" in json.loads(data)["error"]["message"]
     got = [None] * 2
-    threads = [threading.Thread(target=ask, args=(batched, REQUESTS[i], got, j))
-               for j, i in enumerate((3, 4))]
+    # (prompts no earlier request had: a kept prompt cache changes a sampled run's trees)
+    reqs = [dict(REQUESTS[i], messages=[{"role": "user", "content": f"t{50 + i} t{2 + i}"}])
+            for i in (3, 4)]
+    threads = [threading.Thread(target=ask, args=(batched, r, got, j))
+               for j, r in enumerate(reqs)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
-    assert got == [alone(local_lookup, REQUESTS[i]) for i in (3, 4)]
+    assert got == [alone(local_lookup, r) for r in reqs]
     first.close()
     deadline = time.time() + 20
     while time.time() < deadline and sum("disconnected" in line for line in batched.lines) < 2:
@@ -143,3 +146,26 @@ def test_sigterm_with_a_batch_in_flight(tiny_pair):  # noqa: F811
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
+
+
+def test_next_turns_reuse_their_conversation_cache(batched, local_lookup):
+    """Two conversations, turn by turn, concurrently: each second turn finds its first turn
+    cached (usage.prompt_tokens_details.cached_tokens) and answers as alone."""
+    firsts = [[{"role": "user", "content": c}] for c in ("t13 t14 t15 t16", "t30 t31 t32")]
+    got = [None] * 2
+    threads = [threading.Thread(target=ask, args=(batched, dict(messages=m, max_tokens=10,
+                                                               temperature=0, seed=0), got, i))
+               for i, m in enumerate(firsts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    c = batched.client()
+    for m, (answer, _) in zip(firsts, got):
+        second = m + [{"role": "assistant", "content": answer}, {"role": "user", "content": "t17"}]
+        r = c.chat.completions.create(model=server_model(batched), messages=second, max_tokens=8,
+                                      temperature=0)
+        want, _ = alone(local_lookup, dict(messages=second, max_tokens=8, temperature=0, seed=0))
+        assert r.choices[0].message.content == want
+        model, tok = local_lookup
+        assert r.usage.prompt_tokens_details.cached_tokens >= len(chat_prompt(tok, m))
