@@ -30,7 +30,9 @@ from typing import Dict, Iterator, List, Optional, Sequence as Seq, Tuple, Union
 import mlx.core as mx
 import numpy as np
 
+from .drafters import EagleDrafter
 from .engine import Engine, State, Step, Verified, generation_stream
+from .lookup import MergedDrafter
 from .tree import Tree
 from .values import GenerationSettings, _check, _is_int
 
@@ -94,6 +96,11 @@ class BatchGenerator:
         self._uid = 0
         head = model.head
         self.taps = tuple(head.feature_taps(self.target) or ()) if head is not None else ()
+        # the head drafts every row's dynamic tree in one pass per level where its layers
+        # are full attention (its caches then live in the batch, as the target's)
+        self.batched_head = head is not None and head.kind in ("eagle1", "eagle3") and not any(
+            head.args.window(i) for i in range(getattr(head.args, "num_layers", 1)))
+        self.head_caches = None
 
     @property
     def busy(self) -> bool:
@@ -164,12 +171,99 @@ class BatchGenerator:
             if b not in keep and s.prompt_cache is not None:
                 pc = s.prompt_cache
                 pc.target = self.target.batch_extract(self.caches, b, s.state.n)
+                self._head_out(s, b)
                 pc.record(s.state)
         self.active = [self.active[i] for i in keep]
         if not self.active:
-            self.caches = None
+            self.caches = self.head_caches = None
         else:
             self.target.batch_filter(self.caches, keep)
+            if self.head_caches is not None:
+                for c in self.head_caches.layers:
+                    c.filter(keep)
+
+    # ---------------------------------------------------------------- the head's rows
+    @staticmethod
+    def _head_layers(seq: _Sequence):
+        """The caches of a sequence's head state, one per head layer (None: no head)."""
+        from .cache import HeadCache
+
+        d = seq.engine.drafter
+        state = seq.state.drafter
+        if isinstance(d, MergedDrafter):
+            state = state[0]
+        if not isinstance(d, (EagleDrafter, MergedDrafter)):
+            return None
+        return state.layers if isinstance(state, HeadCache) else [state]
+
+    def _head_in(self, seq: _Sequence) -> None:
+        if self.head_caches is None:
+            from .tree import BatchHeadCache
+
+            self.head_caches = BatchHeadCache(getattr(self.model.head.args, "num_layers", 1))
+            for _ in self.active:
+                for c in self.head_caches.layers:
+                    c.extend(None)
+        own = self._head_layers(seq)
+        for i, c in enumerate(self.head_caches.layers):
+            c.extend(None if own is None else own[i])
+
+    def _head_out(self, seq: _Sequence, b: int) -> None:
+        """Row b of the batch's head caches back into the sequence's own head state."""
+        own = self._head_layers(seq)
+        if own is None or self.head_caches is None:
+            return
+        for mine, c in zip(own, self.head_caches.layers):
+            if c.lengths[b] == 0:
+                mine.keys = mine.values = None
+                mine.offset = 0
+                continue
+            row = c.extract(b)
+            mine.keys, mine.values, mine.offset = row.keys, row.values, row.offset
+
+    def _draft(self, rows, speculative) -> List[Tree]:
+        """Every row's tree: the head's dynamic trees in one batched pass per (depth, top-k)
+        where the head's caches live in the batch, other drafters row by row."""
+        from .tree import draft_dynamic_batch
+
+        trees = [None] * len(rows)
+        groups = {}
+        for b, (s, spec) in enumerate(zip(rows, speculative)):
+            if not spec:
+                trees[b] = _root_tree(s.state.root)
+                continue
+            d = s.engine.drafter
+            eagle = d.head if isinstance(d, MergedDrafter) else d
+            if self.batched_head and isinstance(eagle, EagleDrafter) and eagle.static is None:
+                groups.setdefault((eagle.depth, eagle.top_k), []).append(b)
+            elif self.batched_head and self._head_layers(s) is not None:
+                # a drafter of its own (a static tree): its row out of the batch and back
+                self._head_out(s, b)
+                trees[b] = s.engine.draft(s.state)
+                for mine, c in zip(self._head_layers(s), self.head_caches.layers):
+                    c.set_row(b, mine)
+            else:
+                trees[b] = s.engine.draft(s.state)
+        merged = []
+        for (depth, top_k), members in groups.items():
+            st = [rows[b].state for b in members]
+            totals = []
+            for b in members:
+                d = rows[b].engine.drafter
+                totals.append((d.head if isinstance(d, MergedDrafter) else d).total_tokens)
+            drafted = draft_dynamic_batch(self.model.head, self.target, self.head_caches,
+                                          [x.feats for x in st], [x.tokens for x in st],
+                                          [x.root for x in st], members, totals, depth, top_k)
+            for b, t in zip(members, drafted):
+                trees[b] = t
+                if isinstance(rows[b].engine.drafter, MergedDrafter):
+                    merged.append(b)
+        if merged:  # SYNC: the head's trees come to the host to be merged with lookup's
+            mx.eval([[trees[b].tokens, trees[b].parents, trees[b].scores] for b in merged])
+            for b in merged:
+                s = rows[b]
+                trees[b] = s.engine.drafter.merge(s.state.drafter, trees[b], s.state.tokens)
+        return trees
 
     # ---------------------------------------------------------------- a step
     def step(self) -> List[Tuple[int, object]]:
@@ -206,6 +300,8 @@ class BatchGenerator:
             self.caches = self.target.make_batch_cache()
         self.target.batch_join(self.caches, seq.state.caches)
         seq.state.caches = None  # the batch holds them now
+        if self.batched_head:
+            self._head_in(seq)
         self.active.append(seq)
         return seq
 
@@ -217,11 +313,8 @@ class BatchGenerator:
 
     def _cycle(self) -> List[Tuple[int, object]]:
         target, rows = self.target, self.active
-        trees, speculative = [], []
-        for s in rows:
-            spec = not s.plain and s.engine.fits(s.state)
-            speculative.append(spec)
-            trees.append(s.engine.draft(s.state) if spec else _root_tree(s.state.root))
+        speculative = [not s.plain and s.engine.fits(s.state) for s in rows]
+        trees = self._draft(rows, speculative)
         sizes = [int(t.tokens.shape[0]) for t in trees]
         T, B = max(sizes), len(rows)
         tokens, depth, anc = [], [], []
@@ -264,6 +357,7 @@ class BatchGenerator:
             s.steps.append(step)
         target.batch_accept(self.caches, kept)
         mx.async_eval([a for c in self.caches for a in c.arrays()],
+                      [] if self.head_caches is None else list(self.head_caches.arrays()),
                       [s.state.feats for s in rows if s.state.feats is not None])
         for s in rows:
             out += self._emit(s)

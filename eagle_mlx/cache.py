@@ -296,11 +296,12 @@ class RaggedKVCache:
         if kept is None:
             self.lengths = [n + T for n in self.lengths]
         else:
-            width = max(len(k) for k in kept)
-            # per row: source slots (padded by repeating the last)
-            src = mx.array([[n + i for i in k] + [n + k[-1]] * (width - len(k))
+            width = max(1, max(len(k) for k in kept))
+            # per row: source slots (padded by repeating the last; a row keeping nothing
+            # rewrites the slot after its own)
+            src = mx.array([[n + i for i in k] + [n + (k[-1] if k else 0)] * (width - len(k))
                             for n, k in zip(self.held, kept)])
-            dst = mx.array([[n + min(i, len(k) - 1) for i in range(width)]
+            dst = mx.array([[n + min(i, max(len(k) - 1, 0)) for i in range(width)]
                             for n, k in zip(self.held, kept)])
             for name in ("keys", "values"):
                 buf = getattr(self, name)
@@ -319,13 +320,22 @@ class RaggedKVCache:
 
     def extend(self, cache) -> None:
         """Add a row: a sequence's own cache (`TreeKVCache` / `WindowKVCache`) after its
-        prefill, its positions copied once."""
+        prefill, its positions copied once (None or an empty cache: an empty row)."""
+        if cache is None or cache.keys is None or cache.offset == 0:
+            self.lengths.append(0)
+            self.bases.append(0)
+            if self.keys is not None:
+                z = lambda a: mx.zeros((1, *a.shape[1:]), a.dtype)  # noqa: E731
+                self.keys = mx.concatenate([self.keys, z(self.keys)])
+                self.values = mx.concatenate([self.values, z(self.values)])
+            return
         n, base = cache.offset, getattr(cache, "base", 0)
         k, v = cache.keys[..., : n - base, :], cache.values[..., : n - base, :]
-        if self.keys is None or not self.lengths:
+        if self.keys is None:
             H, D, Dv = k.shape[1], k.shape[3], v.shape[3]
-            self.keys = mx.zeros((0, H, 0, D), k.dtype)
-            self.values = mx.zeros((0, H, 0, Dv), v.dtype)
+            B = len(self.lengths)  # (rows so far: empty)
+            self.keys = mx.zeros((B, H, 0, D), k.dtype)
+            self.values = mx.zeros((B, H, 0, Dv), v.dtype)
         width = max(self.keys.shape[2], ((n - base + self.step - 1) // self.step + 1) * self.step)
         pad = lambda a, s: mx.pad(a, [(0, 0), (0, 0), (0, width - s), (0, 0)])  # noqa: E731
         self.keys = mx.concatenate([pad(self.keys, self.keys.shape[2]), pad(k, n - base)])
@@ -348,6 +358,36 @@ class RaggedKVCache:
         if window is not None:
             c.base = self.bases[b]
         return c
+
+    def set_row(self, b: int, cache) -> None:
+        """Row b replaced by a sequence's own cache (a drafter that ran on its own)."""
+        n = cache.offset
+        if n == 0:
+            self.lengths[b] = 0
+            return
+        k, v = cache.keys[..., :n, :], cache.values[..., :n, :]
+        self._grow(len(self.lengths), k.shape[1], k.shape[3], v.shape[3], k.dtype, n)
+        self.keys[b: b + 1, :, :n, :] = k
+        self.values[b: b + 1, :, :n, :] = v
+        self.lengths[b], self.bases[b] = n, 0
+
+    def truncate(self, lengths) -> None:
+        """Every row back to `lengths` positions (a draft's levels dropped)."""
+        self.lengths = [int(n) for n in lengths]
+
+    def level_mask(self, stable, tree_mask: mx.array) -> mx.array:
+        """[B, 1, T, slots] for a draft level appended after each row's drafted levels: row
+        b's queries see its `stable[b]` real positions, then the drafted slots that
+        `tree_mask[b]` [T, drafted + T] allows."""
+        B, T, W = tree_mask.shape
+        st = mx.array(list(stable))[:, None]
+        slot = mx.arange(max(self.held) + T)[None, :]
+        prefix = slot < st
+        j = slot - st
+        inside = (j >= 0) & (j < W)
+        allowed = mx.take_along_axis(tree_mask, mx.broadcast_to(
+            mx.clip(j, 0, W - 1)[:, None, :], (B, T, slot.shape[1])), axis=2)
+        return (prefix[:, None, :] | (inside[:, None, :] & allowed))[:, None]
 
     def filter(self, rows) -> None:
         """Keep only `rows` (indices, in order): the others have left the batch."""

@@ -282,7 +282,11 @@ class MergedDrafter(Drafter):
         self.lookup.truncate(state[1], length)
 
     def propose(self, state, features, tokens, root) -> Tree:
-        drafted = self.head.propose(state[0], features, tokens, root)
+        return self.merge(state, self.head.propose(state[0], features, tokens, root), tokens)
+
+    def merge(self, state, drafted: Tree, tokens) -> Tree:
+        """The head's tree `drafted` and the lookup branches as one tree (the lookup drafter
+        catches up on `tokens` first)."""
         self.lookup.catch_up(state[1], tokens)
         # SYNC: the head's tree comes to the host to be merged (a few hundred bytes)
         mx.eval(drafted.tokens, drafted.parents, drafted.scores)

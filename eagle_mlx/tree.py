@@ -152,6 +152,92 @@ def draft_dynamic(head, target, cache, features: mx.array, tokens: mx.array, roo
         root))
 
 
+def _next_level_batch(logits: mx.array, scores: mx.array, tree_mask: mx.array):
+    """`_next_level` for B rows at once: logits [B, k, V], scores [B, k], tree_mask [B, k, W]."""
+    B, k = scores.shape
+    child_ids, child_lp = _topk(_log_softmax(logits), k)                 # [B, k, k]
+    cum = (child_lp + scores[..., None]).reshape(B, -1)
+    chosen, best = _topk(cum, k)
+    from_node = chosen // k
+    picked = mx.take_along_axis(tree_mask, from_node[..., None], axis=1)
+    mask = mx.concatenate([picked, mx.broadcast_to(mx.eye(k, dtype=mx.bool_), (B, k, k))], axis=2)
+    return child_ids.reshape(B, -1), cum, chosen, best, from_node, mask
+
+
+class BatchHeadCache:
+    """A batch of draft heads' caches, one `RaggedKVCache` per head layer (rows aligned
+    with the batch's rows): what `draft_dynamic_batch` drafts against."""
+
+    def __init__(self, layers: int):
+        from .cache import RaggedKVCache
+
+        self.layers = [RaggedKVCache() for _ in range(layers)]
+
+    def arrays(self):
+        return tuple(a for c in self.layers for a in c.arrays())
+
+
+def draft_dynamic_batch(head, target, cache: BatchHeadCache, features, tokens, roots,
+                        rows, totals, depth: int, top_k: int):
+    """`draft_dynamic` for several rows of a batch in one head pass per level: rows (indices
+    into the batch) draft, with features [m, F], tokens [m], root and tree size (`totals`)
+    each; every other row of `cache` keeps what it holds. Returns the rows' trees."""
+    embed = target.embed_tokens
+    layers = cache.layers
+    B = len(layers[0].lengths)
+    m = [0] * B
+    for r, t in zip(rows, tokens):
+        m[r] = int(t.shape[0])
+    M = max(m)
+    F, dt = features[0].shape[-1], features[0].dtype
+    feats = [mx.zeros((M, F), dt)] * B
+    toks = [mx.zeros((M,), mx.int32)] * B
+    for r, f, t in zip(rows, features, tokens):
+        feats[r] = mx.pad(f, [(0, M - m[r]), (0, 0)])
+        toks[r] = mx.pad(t.astype(mx.int32), (0, M - m[r]))
+    held = layers[0].held
+    positions = mx.array(held)[:, None] + mx.arange(M)[None, :]
+    head_cache = layers[0] if len(layers) == 1 and head.kind == "eagle1" else cache
+    out = head(mx.stack(feats), mx.stack(toks), embed, head_cache, positions=positions,
+               mask=layers[0].mask(None, M), fed_back=False)
+    for c in layers:
+        c.commit([list(range(n)) for n in m])
+    stable = layers[0].held
+    last = mx.take_along_axis(out, mx.array([max(n - 1, 0) for n in m])[:, None, None],
+                              axis=1)                                        # [B, 1, H]
+    ids, scores = _topk(_log_softmax(head.logits(last[:, 0], target)), top_k)   # [B, k]
+    ids = head.to_target_ids(ids)
+    scores_list, tokens_list = [scores], [ids]
+    parents_list = [mx.zeros((B, 1), dtype=mx.int32)]
+    hidden = mx.repeat(last, top_k, axis=1)                                    # [B, k, H]
+    frontier = ids
+    tree_mask = mx.broadcast_to(mx.eye(top_k, dtype=mx.bool_), (B, top_k, top_k))
+    chosen = mx.broadcast_to(mx.arange(top_k), (B, top_k))
+    for level in range(depth):
+        positions = mx.broadcast_to(mx.array(stable)[:, None] + level, (B, top_k))
+        out = head(hidden, frontier, embed, head_cache, positions=positions,
+                   mask=layers[0].level_mask(stable, tree_mask), fed_back=True)   # [B, k, H]
+        for c in layers:
+            c.commit()
+        bias = 1 + top_k * top_k * max(0, level - 1) + (top_k if level > 0 else 0)
+        parents_list.append(chosen + bias)
+        child_ids, cum, chosen, scores, from_node, tree_mask = compiled(_next_level_batch)(
+            head.logits(out, target), scores, tree_mask)
+        hidden = mx.take_along_axis(out, from_node[..., None], axis=1)
+        child_ids = head.to_target_ids(child_ids)
+        frontier = mx.take_along_axis(child_ids, chosen, axis=1)
+        tokens_list.append(child_ids)
+        scores_list.append(cum)
+    for c in layers:
+        c.truncate(stable)
+    all_scores = mx.concatenate(scores_list, axis=1)
+    all_tokens = mx.concatenate(tokens_list, axis=1)
+    all_parents = mx.concatenate(parents_list, axis=1)
+    return [Tree(*compiled(_rerank, total - 1, top_k, depth)(
+        all_scores[r], all_tokens[r], all_parents[r], root))
+        for r, root, total in zip(rows, roots, totals)]
+
+
 class StaticTree:
     """An EAGLE-1 tree given as paths of child ranks (`tree_choices`), drafted level by level
     as the official EAGLE-1 code does: every node with children is fed to the head once."""

@@ -175,6 +175,15 @@ def test_batch_caches_equal_each_sequence_alone(pairs, name):
                 for g, w in zip(got, want):
                     assert g.shape == w.shape
                     np.testing.assert_allclose(np.array(g), np.array(w), atol=2e-5, rtol=1e-4)
+            # the head's cache (drafted for every row in one pass a level) as well
+            own = alone_state.drafter[0]
+            _, hk, hv = _rows(gen.head_caches.layers[0], b)
+            n = own.offset
+            assert hk.shape[2] == n
+            np.testing.assert_allclose(np.array(hk), np.array(own.keys[..., :n, :]), atol=2e-5,
+                                       rtol=1e-4)
+            np.testing.assert_allclose(np.array(hv), np.array(own.values[..., :n, :]), atol=2e-5,
+                                       rtol=1e-4)
     assert cycles >= 12
 
 
