@@ -65,6 +65,7 @@ class _Sequence:
     plain: bool = True
     prompt_cache: Optional[object] = None  # a PromptCache reused at the join, left at the end
     start: int = 0                          # prompt tokens the prompt cache held at the join
+    record: Optional[object] = None         # the engine's recorder
     steps: deque = field(default_factory=deque)
     responses: Optional[Iterator] = None
     prefill: Optional[Iterator] = None
@@ -80,7 +81,9 @@ class BatchGenerator:
     """Continuous batching of speculative (or plain) generations over one model."""
 
     def __init__(self, model, tokenizer, max_batch: int = DEFAULT_MAX_BATCH,
-                 prefill_chunk: int = BATCH_PREFILL_CHUNK):
+                 prefill_chunk: int = BATCH_PREFILL_CHUNK, taps: Optional[Seq[int]] = None):
+        """taps: the target layers whose inputs every forward returns (default: the head's;
+        what `add(record=...)` records besides the post-norm hidden state)."""
         _check(hasattr(model, "target") and hasattr(model, "head"),
                "model must be the EagleModel that eagle_mlx.load returns.")
         _check(_is_int(max_batch) and max_batch >= 1,
@@ -96,6 +99,10 @@ class BatchGenerator:
         self._uid = 0
         head = model.head
         self.taps = tuple(head.feature_taps(self.target) or ()) if head is not None else ()
+        if taps is not None:
+            _check(head is None or not self.taps or tuple(taps) == self.taps,
+                   "taps must be the head's own taps where the head reads taps.")
+            self.taps = tuple(taps)
         # the head drafts every row's dynamic tree in one pass per level where its layers
         # are full attention (its caches then live in the batch, as the target's)
         self.batched_head = head is not None and head.kind in ("eagle1", "eagle3") and not any(
@@ -110,12 +117,14 @@ class BatchGenerator:
         return len(self.active)
 
     def add(self, prompt: Union[str, Seq[int]], settings: Optional[GenerationSettings] = None,
-            prompt_cache=None, **kwargs) -> int:
+            prompt_cache=None, record=None, **kwargs) -> int:
         """Queue a generation (checked now: a bad request raises EagleError and nothing is
         queued); returns its id. settings (or stream_generate's keyword arguments).
         prompt_cache: a `PromptCache` (as stream_generate's) — the prompt is prefilled only
         from where it differs from what the cache holds, and the cache holds this sequence
-        when it leaves the batch (the next turn of a conversation reuses it)."""
+        when it leaves the batch (the next turn of a conversation reuses it).
+        record: `Engine.recorder` for this sequence — called with the target's features of
+        every position it feeds (prefill chunks, then each cycle's kept nodes)."""
         from .generation import _responses, prepare
         from .speculative import PromptCache
 
@@ -128,7 +137,7 @@ class BatchGenerator:
                                "arguments, not both.")
         run = prepare(self.model, self.tokenizer, prompt, settings)
         self._uid += 1
-        seq = _Sequence(self._uid, run.ids, settings, prompt_cache=prompt_cache)
+        seq = _Sequence(self._uid, run.ids, settings, prompt_cache=prompt_cache, record=record)
         seq.responses = _responses(self.tokenizer, run.ids, self._pull(seq), settings.max_tokens,
                                    reset_peak=False)
         self.waiting.append(seq)
@@ -143,7 +152,8 @@ class BatchGenerator:
         seq.plain = run.drafter is None
         drafter = RootDrafter() if seq.plain else run.drafter
         seq.engine = Engine(self.target, drafter, run.sampling, run.max_context)
-        seq.engine.taps = self.taps if drafter.features is not None else ()
+        seq.engine.taps = self.taps if drafter.features is not None or seq.record else ()
+        seq.engine.recorder = seq.record
         pc, seq.start = seq.prompt_cache, 0
         if pc is None:
             seq.state = State(self.target.make_cache(), drafter.new_state(), keys=run.keys)
@@ -275,6 +285,8 @@ class BatchGenerator:
             joined = self._prefill_step()
             if joined is not None:
                 out += self._emit(joined)
+                if joined.done:  # done with its first token (max_tokens 1, or a stop token)
+                    self._keep_rows(list(range(len(self.active) - 1)))
             if self.active:
                 out += self._cycle()
         return out

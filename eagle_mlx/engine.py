@@ -88,6 +88,9 @@ class Engine:
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.max_context = max_context
         self.taps = tuple(drafter.features or ())
+        # recorder(position, hidden [n, H], tapped [n, H] per tap): the target's features of
+        # every position it keeps, as fed (training data written while generating)
+        self.recorder = None
 
     def new_state(self) -> State:
         return State(self.target.make_cache(), self.drafter.new_state())
@@ -100,7 +103,7 @@ class Engine:
         # EAGLE-1/2: post-norm last hidden state; EAGLE-3: the tap layers' inputs
         if self.drafter.features is None:
             return None
-        return (mx.concatenate(tapped, axis=-1) if self.taps else hidden)[0]
+        return (mx.concatenate(tapped, axis=-1) if self.drafter.features else hidden)[0]
 
     # ---------------------------------------------------------------- prefill
     def prefill(self, state: State, prompt: Sequence[int], start: int = 0) -> int:
@@ -124,6 +127,8 @@ class Engine:
                 f = self._features(hidden, tapped)
                 if f is not None:
                     chunks.append(f)
+                if self.recorder is not None:
+                    self.recorder(a, hidden[0], [t[0] for t in tapped])
                 if a + chunk < len(prompt):
                     mx.eval(hidden, chunks, target.cache_arrays(state.caches))
                     mx.clear_cache()
@@ -193,6 +198,9 @@ class Engine:
         the next cycle read."""
         tokens = tree.tokens.tolist()
         path_idx = mx.array(path)
+        if self.recorder is not None:
+            self.recorder(state.n, verified.hidden[0][path_idx],
+                          [t[0][path_idx] for t in verified.tapped])
         state.n += len(path)
         f = self._features(verified.hidden, verified.tapped)
         state.feats = None if f is None else f[path_idx]

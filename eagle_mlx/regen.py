@@ -12,9 +12,10 @@ features, and through `lm_head` the target's distribution) and the inputs of the
 tap layers. These go to float16 shards (safetensors) beside an `index.json`, with each
 shard's conversations as ShareGPT-style JSON lines (`train --data` reads those).
 
-Rows are batched in mlx-lm's batch KV cache (left padding, per-row offsets) and run
-through mlx-lm's own model modules; mlx-lm's `BatchGenerator` does not return hidden
-states, so the decoding loop is ours. The output grows a shard at a time and the index is
+Conversations are decoded continuously batched (`batch.BatchGenerator`, plain greedy
+decoding): a conversation's next turn joins as soon as its answer ends, from its own prompt
+cache, so only the new user message is prefilled (never the history again), and every
+position's features are recorded as the target feeds it. The output grows a shard at a time and the index is
 replaced atomically after each: run the same command again (or with a larger
 --num-conversations) to continue; nothing is written twice. Stopped (Ctrl-C, SIGTERM), a run
 writes the conversations under way as far as their last answered turn, so no answer is lost.
@@ -130,6 +131,9 @@ class Conversation:
         self.turn = 0
         self.prompt = None
         self.record = None  # the conversation up to its last answered turn, with its features
+        self.cache = None   # its PromptCache: the next turn prefills only what is new
+        self.log = FeatureLog()
+        self.answer = []
 
     def next_prompt(self, tokenizer, max_tokens, max_len):
         """Token ids of the next turn's prompt, or None when the conversation is done (no
@@ -151,98 +155,50 @@ class Conversation:
         self.turn += 1
 
 
-# ------------------------------------------------------------------ decoding with features
-class Capture:
-    """Records the inputs of the chosen decoder layers while mlx-lm's modules run."""
+# ------------------------------------------------------------------ features while decoding
+class FeatureLog:
+    """The target's features of one conversation by position, as the batch engine feeds
+    them (`Engine.recorder`): a position fed again (a prompt cache cut back) replaces what
+    followed it. Kept as device arrays until `arrays` asks for them."""
 
-    def __init__(self, layer, store, i):
-        self.layer, self.store, self.i = layer, store, i
+    def __init__(self):
+        self.blocks = []  # (first position, hidden [n, H], tapped [n, H] per tap)
 
-    def __call__(self, h, *args, **kwargs):
-        self.store[self.i] = h
-        return self.layer(h, *args, **kwargs)
+    def __call__(self, position, hidden, tapped):
+        self.blocks.append((position, hidden, tapped))
 
-    def __getattr__(self, name):  # the model reads the layer's own settings (use_sliding, ...)
-        return getattr(self.layer, name)
+    def copy(self) -> "FeatureLog":
+        """What is logged so far (later feeds go to this log only)."""
+        log = FeatureLog()
+        log.blocks = list(self.blocks)
+        return log
 
+    def arrays(self, length: int) -> dict:
+        """float16 {"hidden": [length, H], "taps": [length, taps x H]} of positions 0..length-1."""
+        import mlx.core as mx
+        import numpy as np
 
-def run_rows(target, prompts, eos, max_tokens, taps, prefill_step=512):
-    """Greedy answers for a batch of prompts, and the features of every token of prompt +
-    answer (the answer's last token included: it is fed once more).
-
-    Returns, per prompt, (answer ids, {"hidden": float16 [T, H], "taps": float16
-    [T, len(taps) * H]}). Whether a turn is a conversation's last is known only once its
-    answer is, so every turn keeps its features; a later turn's replace them."""
-    import mlx.core as mx
-    import numpy as np
-    from .mlxlm import BatchKVCache
-
-    inner = target.model.model
-    B = len(prompts)
-    lengths = [len(p) for p in prompts]
-    L = max(lengths)
-    pad = [L - n for n in lengths]
-    tokens = mx.array([[0] * pad[b] + list(prompts[b]) for b in range(B)], dtype=mx.int32)
-    cache = [BatchKVCache(pad) for _ in inner.layers]
-    store = {}
-    saved = list(inner.layers)
-    pieces = [[] for _ in range(B)]  # per row: float16 numpy blocks in order
-
-    def forward(x):
-        h = inner(x, cache=cache)
-        out = {"hidden": h}
-        if taps:
-            out["taps"] = mx.concatenate([store[i] for i in taps], axis=-1)
-        return h, {k: v.astype(mx.float16) for k, v in out.items()}
-
-    def keep_rows(feats, active, offset):
-        """Add the features of this forward (rows in `active`, positions from `offset`)."""
-        arrays = {k: np.array(v) for k, v in feats.items()}
-        for r, b in enumerate(active):
-            pieces[b].append({k: a[r, max(offset[r], 0):] for k, a in arrays.items()})
-
-    try:
-        for i in taps:
-            inner.layers[i] = Capture(saved[i], store, i)
-        h = None
-        for s in range(0, L, prefill_step):
-            h, feats = forward(tokens[:, s: s + prefill_step])
-            mx.eval(h, feats)
-            keep_rows(feats, list(range(B)), [p - s for p in pad])
-        nxt = target.lm_head(h[:, -1]).argmax(-1)
-        active = list(range(B))
-        answers = [[] for _ in range(B)]
-        finished = [False] * B
-        while active:
-            mx.eval(nxt)
-            toks = nxt.tolist()
-            keep, step_in = [], []
-            for r, b in enumerate(active):
-                if finished[b]:  # fed once more for its features: now it leaves
-                    continue
-                answers[b].append(toks[r])
-                if toks[r] in eos or len(answers[b]) >= max_tokens:
-                    finished[b] = True
-                keep.append(r)
-                step_in.append(toks[r])
-            if not keep:
-                break
-            if len(keep) < len(active):
-                for c in cache:
-                    c.filter(keep)
-                active = [active[r] for r in keep]
-            h, feats = forward(mx.array(step_in, dtype=mx.int32)[:, None])
-            nxt = target.lm_head(h[:, -1]).argmax(-1)
-            mx.eval(nxt, feats)
-            keep_rows(feats, active, [0] * len(active))
-    finally:
-        inner.layers[:] = saved
-    results = []
-    for b in range(B):
-        feats = {k: np.concatenate([p[k] for p in pieces[b]]) for k in pieces[b][0]}
-        assert len(feats["hidden"]) == lengths[b] + len(answers[b])
-        results.append((answers[b], feats))
-    return results
+        kept = []
+        for pos, h, t in self.blocks:
+            while kept and kept[-1][0] >= pos:  # fed again from `pos`: what followed goes
+                kept.pop()
+            if kept and kept[-1][0] + kept[-1][1].shape[0] > pos:
+                p0, h0, t0 = kept[-1]
+                kept[-1] = (p0, h0[: pos - p0], [x[: pos - p0] for x in t0])
+            end = kept[-1][0] + kept[-1][1].shape[0] if kept else 0
+            if pos != end:
+                raise EagleError(f"the features of positions {end}..{pos - 1} were never fed.")
+            kept.append((pos, h, t))
+        self.blocks = kept
+        hidden = mx.concatenate([h for _, h, _ in kept])[:length].astype(mx.float16)
+        out = {"hidden": hidden}
+        if kept[0][2]:
+            out["taps"] = mx.concatenate([mx.concatenate(t, axis=-1) for _, _, t in kept]
+                                         )[:length].astype(mx.float16)
+        mx.eval(out)
+        if hidden.shape[0] != length:
+            raise EagleError(f"features of {hidden.shape[0]} positions for {length} tokens.")
+        return {k: np.array(v) for k, v in out.items()}
 
 
 # ------------------------------------------------------------------ shards
@@ -276,23 +232,6 @@ def write_shard(out: Path, number: int, done: list):
         encoding="utf-8"))
     return {"file": name, "text": text.name, "sources": [d["index"] for d in done],
             "tokens": int(len(tokens)), "answer_tokens": int(arrays["loss_mask"].sum())}
-
-
-POOL_BATCHES = 2  # conversations in flight: batches are picked from this many batch sizes
-
-
-def take_batch(pending: deque, size: int) -> list:
-    """The oldest waiting conversation and the `size - 1` others whose prompts are closest
-    to it in length (a batch is padded to its longest prompt, and a prompt's cost grows
-    with its length); removed from `pending`, shortest first."""
-    first = pending[0]
-    rest = sorted(range(1, len(pending)),
-                  key=lambda i: abs(len(pending[i].prompt) - len(first.prompt)))[: size - 1]
-    chosen = [0] + rest
-    batch = [pending[i] for i in chosen]
-    for i in sorted(chosen, reverse=True):
-        del pending[i]
-    return sorted(batch, key=lambda c: len(c.prompt))
 
 
 def _turns(messages):
@@ -352,18 +291,29 @@ def _main(argv) -> int:
 
     finished, written, t0 = [], 0, time.perf_counter()
     seconds0 = index["seconds"]
-    pending = deque()  # conversations whose next turn is ready to run, oldest first
-    pool = POOL_BATCHES * args.batch_size
+    from .batch import BatchGenerator
+    from .model import EagleModel
+    from .speculative import PromptCache
+    from .values import GenerationSettings
+
+    gen = BatchGenerator(EagleModel(target), tokenizer, args.batch_size, taps=taps)
+    plain = GenerationSettings(max_tokens=args.max_tokens, speculate=False)
+    running = {}  # uid -> the conversation whose turn it decodes
     bar = tqdm(total=len(queue), desc="conversations", disable=args.quiet)
 
+    def start(c):
+        """c's next turn into the batch (from its prompt cache: only the new part is fed)."""
+        c.answer = []
+        running[gen.add(c.prompt, plain, prompt_cache=c.cache, record=c.log)] = c
+
     def refill():
-        while len(pending) < pool and queue:
+        while len(running) < args.batch_size and queue:
             c = queue.popleft()
-            p = c.next_prompt(tokenizer, args.max_tokens, args.max_len)
-            if p is None:
+            if c.next_prompt(tokenizer, args.max_tokens, args.max_len) is None:
                 bar.update(1)  # not even its first turn fits
             else:
-                pending.append(c)
+                c.cache = PromptCache()
+                start(c)
 
     def flush(final=False):
         nonlocal finished, written
@@ -375,35 +325,59 @@ def _main(argv) -> int:
             write_index(out, index)
             written += len(part)
 
-    batch = []
+    def answered(c):
+        """c's turn has its answer: its record (prompt + answer with their features, the
+        last answer token's fed at the next turn's prefill or, at the end, on its own)."""
+        answer = c.answer
+        text = tokenizer.decode([t for t in answer if t not in eos])
+        prompt, prompt_messages = c.prompt, c.history + [c.users[c.turn]]
+        c.answered(text)
+        tokens = list(prompt) + answer
+        mask = history_mask(tokenizer, prompt_messages, prompt) + [1] * len(answer)
+        c.record = {"index": c.index, "tokens": tokens, "mask": mask, "log": c.log.copy(),
+                    "turns": _turns(c.history)}
+        if c.next_prompt(tokenizer, args.max_tokens, args.max_len) is not None:
+            start(c)
+        else:  # the last answer's last token fed once more, for its features
+            c.prompt, c.final = tokens, True
+            c.answer = []
+            running[gen.add(c.prompt, plain.replace(max_tokens=1), prompt_cache=c.cache,
+                            record=c.log)] = c
+
+    def features(record, complete=True):
+        """A finished record with its features (a cut one loses its last token, never fed)."""
+        n = len(record["tokens"]) - (0 if complete else 1)
+        r = dict(record, tokens=record["tokens"][:n], mask=record["mask"][:n])
+        r["feats"] = r.pop("log").arrays(n)
+        return r
+
     previous = signal.getsignal(signal.SIGTERM)
     on_main = threading.current_thread() is threading.main_thread()
     if on_main:  # a stopped run (Ctrl-C, SIGTERM) keeps what it has answered
         signal.signal(signal.SIGTERM, _interrupt)
     try:
         refill()
-        while pending:
-            batch = take_batch(pending, args.batch_size)
-            results = run_rows(target, [c.prompt for c in batch], eos, args.max_tokens, taps)
-            for c, (answer, feats) in zip(batch, results):
-                text = tokenizer.decode([t for t in answer if t not in eos])
-                prompt, prompt_messages = c.prompt, c.history + [c.users[c.turn]]
-                c.answered(text)
-                mask = history_mask(tokenizer, prompt_messages, prompt) + [1] * len(answer)
-                c.record = {"index": c.index, "tokens": list(prompt) + answer, "mask": mask,
-                            "feats": feats, "turns": _turns(c.history)}
-                if c.next_prompt(tokenizer, args.max_tokens, args.max_len) is not None:
-                    pending.append(c)
-                else:
-                    finished.append(c.record)
+        while running:
+            for uid, r in gen.step():
+                c = running[uid]
+                c.answer += r.tokens
+                if r.finish_reason is None:
+                    continue
+                del running[uid]
+                if getattr(c, "final", False):
+                    c.record["log"] = c.log
+                    finished.append(features(c.record))
+                    c.record = c.cache = None
                     bar.update(1)
-            batch = []
+                else:
+                    answered(c)
             flush()
             refill()
         flush(final=True)
     except KeyboardInterrupt:
         # conversations under way end at their last answered turn: nothing answered is lost
-        cut = [c.record for c in list(batch) + list(pending) if c.record is not None]
+        cut = [features(c.record, complete=False) for c in running.values()
+               if c.record is not None]
         finished += cut
         flush(final=True)
         bar.close()

@@ -313,3 +313,12 @@ def test_prompt_caches_carry_each_conversation_to_its_next_turn(pairs, name):
     for (a, b, reused), u, u2, c, p in zip(want, uids, uids2, caches, firsts):
         assert got[u] == a and got2[u2] == b
         assert c.reused == reused > len(p)  # the first turn's prompt and (most of) its answer
+
+
+def test_sequences_done_with_their_first_token(pairs):
+    """max_tokens 1 (the prefill's token only): each leaves at its join, as alone."""
+    t, h = pairs("llama2_mha")
+    model, tok = eagle_mlx.load(str(t), eagle=str(h))
+    s = [GenerationSettings(max_tokens=1), GenerationSettings(max_tokens=1, temp=0.9, seed=3),
+         GenerationSettings(max_tokens=5)]
+    check_batch_equals_alone(model, tok, max_batch=2, prompts=PROMPTS[:3], settings=s)

@@ -161,26 +161,37 @@ def test_concurrent_clients_each_get_their_own_output(server, local):
         got[i] = server.client().chat.completions.create(
             model=server_model(server), messages=prompts[i], max_tokens=16).choices[0].message.content
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    in_threads(ask, [(i,) for i in range(8)])
     assert got == wants
 
 
-def test_a_client_that_leaves_stops_its_generation(server, local):
+def open_stream(server, req):
+    """A raw streaming request whose stream has begun (its generation runs): the socket."""
     import socket
 
-    body = json.dumps({"messages": [{"role": "user", "content": "t9 t10"}], "max_tokens": 3000,
-                       "stream": True}).encode()
+    body = json.dumps(dict(req, stream=True)).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                  + KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
                  + str(len(body)).encode() + b"\r\n\r\n" + body)
     seen = b""
-    while b"data: " not in seen:  # the stream has begun: the generation runs
+    while b"data: " not in seen:
         seen += sock.recv(4096)
+    return sock
+
+
+def in_threads(fn, args_list, timeout=300):
+    """fn(*args) for every args at once, each on its own thread; waits for all."""
+    threads = [threading.Thread(target=fn, args=args) for args in args_list]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+
+
+def test_a_client_that_leaves_stops_its_generation(server, local):
+    sock = open_stream(server, {"messages": [{"role": "user", "content": "t9 t10"}],
+                                "max_tokens": 3000})
     sock.close()  # the client leaves
     start = time.time()
     messages = [{"role": "user", "content": "t11 t12"}]

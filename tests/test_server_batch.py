@@ -2,15 +2,14 @@
 clients each get exactly what the model writes for them alone."""
 
 import json
-import socket
-import threading
 import time
 
 import pytest
 
 import eagle_mlx
 from eagle_mlx.cli import chat_prompt
-from test_server import KEY, Running, openai, server_model, tiny_pair  # noqa: F401
+from test_server import (KEY, Running, in_threads, open_stream, openai,  # noqa: F401
+                         server_model, tiny_pair)
 
 assert openai  # (the test_server module skips without the openai client)
 
@@ -71,25 +70,8 @@ def test_concurrent_requests_each_equal_their_run_alone(batched, local_lookup):
             r["stop"] = [text[5:8]]
         wants.append(alone(local_lookup, r, (r.get("stop") or [None])[0]))
     got = [None] * 6
-    threads = [threading.Thread(target=ask, args=(batched, r, got, i, i % 2 == 0))
-               for i, r in enumerate(reqs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    in_threads(ask, [(batched, r, got, i, i % 2 == 0) for i, r in enumerate(reqs)])
     assert got == wants
-
-
-def _open_stream(server, req):
-    body = json.dumps(dict(req, stream=True)).encode()
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
-                 + KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
-                 + str(len(body)).encode() + b"\r\n\r\n" + body)
-    seen = b""
-    while b"data: " not in seen:  # the stream has begun: the generation runs
-        seen += sock.recv(4096)
-    return sock
 
 
 def test_arrivals_disconnects_and_bad_requests_while_a_batch_runs(batched, local_lookup):
@@ -97,8 +79,8 @@ def test_arrivals_disconnects_and_bad_requests_while_a_batch_runs(batched, local
     its JSON error; two more arrive while the first streams: all that stayed get their own
     text, and the log says the leaver's generation stopped."""
     long_req = dict(messages=[{"role": "user", "content": "t9 t10"}], max_tokens=3000)
-    first = _open_stream(batched, long_req)
-    leaver = _open_stream(batched, dict(long_req, messages=[{"role": "user", "content": "t3"}]))
+    first = open_stream(batched, long_req)
+    leaver = open_stream(batched, dict(long_req, messages=[{"role": "user", "content": "t3"}]))
     leaver.close()
     status, data = batched.raw("POST", "/v1/chat/completions",
                                {"messages": [{"role": "user", "content": "x"}],
@@ -108,12 +90,7 @@ def test_arrivals_disconnects_and_bad_requests_while_a_batch_runs(batched, local
     # (prompts no earlier request had: a kept prompt cache changes a sampled run's trees)
     reqs = [dict(REQUESTS[i], messages=[{"role": "user", "content": f"t{50 + i} t{2 + i}"}])
             for i in (3, 4)]
-    threads = [threading.Thread(target=ask, args=(batched, r, got, j))
-               for j, r in enumerate(reqs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    in_threads(ask, [(batched, r, got, j) for j, r in enumerate(reqs)])
     assert got == [alone(local_lookup, r) for r in reqs]
     first.close()
     deadline = time.time() + 20
@@ -128,7 +105,7 @@ def test_sigterm_with_a_batch_in_flight(tiny_pair):  # noqa: F811
     target, head = tiny_pair
     s = Running(["--model", target, "--eagle", head, "--api-key", KEY, "--max-batch", 3])
     try:
-        socks = [_open_stream(s, dict(messages=[{"role": "user", "content": f"t{i}"}],
+        socks = [open_stream(s, dict(messages=[{"role": "user", "content": f"t{i}"}],
                                       max_tokens=3000)) for i in (4, 7, 9)]
         s.proc.terminate()
         assert s.proc.wait(timeout=60) == 0, "".join(s.lines[-20:])
@@ -153,13 +130,8 @@ def test_next_turns_reuse_their_conversation_cache(batched, local_lookup):
     cached (usage.prompt_tokens_details.cached_tokens) and answers as alone."""
     firsts = [[{"role": "user", "content": c}] for c in ("t13 t14 t15 t16", "t30 t31 t32")]
     got = [None] * 2
-    threads = [threading.Thread(target=ask, args=(batched, dict(messages=m, max_tokens=10,
-                                                               temperature=0, seed=0), got, i))
-               for i, m in enumerate(firsts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    in_threads(ask, [(batched, dict(messages=m, max_tokens=10, temperature=0, seed=0), got, i)
+                     for i, m in enumerate(firsts)])
     c = batched.client()
     for m, (answer, _) in zip(firsts, got):
         second = m + [{"role": "assistant", "content": answer}, {"role": "user", "content": "t17"}]
