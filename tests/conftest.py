@@ -96,8 +96,8 @@ def tiny_dir(tmp_path_factory):
 # file the tests marked `long` go first (a file's long tests left at its end would hold up
 # the next file, already handed to the same worker).
 LONGEST_FIRST = ["test_demo.py", "test_engine.py", "test_windows.py", "test_distributed.py",
-                 "test_cli.py", "test_server.py", "test_bad_inputs.py", "test_train_eagle3.py",
-                 "test_train.py", "test_gguf.py"]
+                 "test_cli.py", "test_batch.py", "test_server.py", "test_bad_inputs.py",
+                 "test_train_eagle3.py", "test_server_batch.py", "test_train.py", "test_gguf.py"]
 
 
 def pytest_configure(config):
