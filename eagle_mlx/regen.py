@@ -159,13 +159,27 @@ class Conversation:
 class FeatureLog:
     """The target's features of one conversation by position, as the batch engine feeds
     them (`Engine.recorder`): a position fed again (a prompt cache cut back) replaces what
-    followed it. Kept as device arrays until `arrays` asks for them."""
+    followed it. Kept as float16 device arrays, evaluated after each step (`settle`: a lazy
+    slice would keep the whole forward's outputs alive), until `arrays` asks for them."""
+
+    pending = []  # what the last step recorded, not yet evaluated (every log's)
 
     def __init__(self):
         self.blocks = []  # (first position, hidden [n, H], tapped [n, H] per tap)
 
     def __call__(self, position, hidden, tapped):
-        self.blocks.append((position, hidden, tapped))
+        import mlx.core as mx
+
+        block = (position, hidden.astype(mx.float16), [t.astype(mx.float16) for t in tapped])
+        self.blocks.append(block)
+        FeatureLog.pending += [block[1], *block[2]]
+
+    @classmethod
+    def settle(cls) -> None:
+        import mlx.core as mx
+
+        mx.eval(cls.pending)
+        cls.pending = []
 
     def copy(self) -> "FeatureLog":
         """What is logged so far (later feeds go to this log only)."""
@@ -371,6 +385,7 @@ def _main(argv) -> int:
                     bar.update(1)
                 else:
                     answered(c)
+            FeatureLog.settle()
             flush()
             refill()
         flush(final=True)
