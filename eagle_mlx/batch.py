@@ -184,6 +184,7 @@ class BatchGenerator:
                 self._head_out(s, b)
                 pc.record(s.state)
         self.active = [self.active[i] for i in keep]
+        mx.clear_cache()  # (the batch's buffers change size as rows leave: free MLX's cached ones)
         if not self.active:
             self.caches = self.head_caches = None
         else:
