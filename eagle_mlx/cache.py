@@ -354,6 +354,9 @@ class RaggedKVCache:
         size = ((n + step - 1) // step + 1) * step
         c.keys = mx.pad(k, [(0, 0), (0, 0), (0, size - n), (0, 0)])
         c.values = mx.pad(v, [(0, 0), (0, 0), (0, size - n), (0, 0)])
+        # copied now: left lazy, the copy would keep the whole batch's buffer alive until
+        # the sequence's next turn (a long run's memory grew by a batch per waiting turn)
+        mx.eval(c.keys, c.values)
         c.offset = self.lengths[b]
         if window is not None:
             c.base = self.bases[b]
