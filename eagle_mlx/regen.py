@@ -32,10 +32,11 @@ from pathlib import Path
 from .cli import ArgumentParser, UsageError, add_dtype_arg, run_cli, started
 from .errors import EagleError
 
-FORMAT = "eagle_mlx-features-1"
-INDEX = "index.json"
+from .features import FORMAT, INDEX, read_index  # noqa: F401  (the folder's format)
+
 # settings that must not change between the runs that fill one folder
-FIXED = ("model", "data", "skip", "max_tokens", "max_len", "taps")
+CACHE_LIMIT = 1 << 30  # bytes of freed buffers MLX keeps for reuse during a run
+FIXED = ("model", "data", "skip", "max_tokens", "max_len", "taps", "answers")
 
 
 def build_parser() -> ArgumentParser:
@@ -57,6 +58,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, help="rows decoded together")
     p.add_argument("--shard-conversations", type=int, default=64,
                    help="conversations per shard (a shard is the unit a resumed run keeps)")
+    p.add_argument("--answers", choices=["target", "data"], default="target",
+                   help="target (default): the target answers every turn itself; data: keep the "
+                        "data's own answers and only record the target's features of them (one "
+                        "forward pass per conversation, no generation)")
     p.add_argument("--no-taps", action="store_true",
                    help="keep only the EAGLE-1 features (no EAGLE-3 tap-layer inputs)")
     p.add_argument("--quiet", action="store_true")
@@ -71,28 +76,12 @@ def check_args(args) -> None:
                              f"(got {getattr(args, flag)}).")
     if args.skip < 0:
         raise UsageError(f"--skip must be 0 or more (got {args.skip}).")
-    if args.max_tokens >= args.max_len:
+    if args.answers == "target" and args.max_tokens >= args.max_len:
         raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt within "
                          f"--max-len {args.max_len}.")
 
 
 # ------------------------------------------------------------------ index
-def read_index(out: Path):
-    """The folder's index (None for a new or empty folder); one sentence if it is not ours."""
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        return None
-    if not out.is_dir():
-        raise EagleError(f"--out {out} is a file, not a folder.")
-    try:
-        index = json.loads((out / INDEX).read_text(encoding="utf-8"))
-        if index.get("format") != FORMAT:
-            raise ValueError
-    except (OSError, ValueError, AttributeError):
-        raise EagleError(f"--out {out} is not an empty folder and holds no index written by "
-                         "eagle_mlx.regen; choose a new folder.") from None
-    return index
-
-
 def write_index(out: Path, index: dict) -> None:
     from .outputs import atomic_file
 
@@ -279,17 +268,23 @@ def _main(argv) -> int:
         raise EagleError(f"the tokenizer of {args.model} has no chat template, which renders the "
                          "prompts.")
     taps = [] if args.no_taps else list(target.eagle3_taps)
+    if any(not 0 <= t <= target.num_layers for t in taps):
+        raise EagleError(f"{args.model} has {target.num_layers} layers, too few for the EAGLE-3 "
+                         f"taps {{2, L//2, L-3}} ({taps}); --no-taps records the EAGLE-1 "
+                         "features alone.")
     settings = {"model": str(args.model), "data": str(args.data or "ShareGPT"), "skip": args.skip,
-                "max_tokens": args.max_tokens, "max_len": args.max_len, "taps": taps}
+                "max_tokens": args.max_tokens, "max_len": args.max_len, "taps": taps,
+                "answers": args.answers}
     if index is None:
         index = {"format": FORMAT, "settings": settings, "hidden_size": target.hidden_size,
                  "model_type": target.model_type, "num_layers": target.num_layers,
                  "shards": [], "seconds": 0.0}
     else:
         for k in FIXED:
-            if index["settings"].get(k) != settings[k]:
+            have = index["settings"].get(k, "target" if k == "answers" else None)
+            if have != settings[k]:
                 raise UsageError(f"--out {out} was written with {k} = "
-                                 f"{index['settings'].get(k)!r}, not {settings[k]!r}; continue "
+                                 f"{have!r}, not {settings[k]!r}; continue "
                                  "it with the same settings or choose a new folder.")
     conversations = load_conversations(args.data, end)
     queue = deque(Conversation(i, conversations[i]) for i in range(args.skip, min(end,
@@ -303,13 +298,19 @@ def _main(argv) -> int:
     started()
     from tqdm import tqdm
 
-    finished, written, t0 = [], 0, time.perf_counter()
-    seconds0 = index["seconds"]
+    shards = ShardWriter(out, index, args.shard_conversations)
+    if args.answers == "data":
+        return _record_answers(args, shards, conversations, queue, target, tokenizer, taps)
     from .batch import BatchGenerator
     from .model import EagleModel
     from .speculative import PromptCache
     from .values import GenerationSettings
 
+    import mlx.core as mx
+
+    # every step's buffers differ in size (rows grow by a token, join and leave): MLX's
+    # allocator would keep each freed one for reuse, and a long run's memory grows with them
+    mx.set_cache_limit(CACHE_LIMIT)
     gen = BatchGenerator(EagleModel(target), tokenizer, args.batch_size, taps=taps)
     plain = GenerationSettings(max_tokens=args.max_tokens, speculate=False)
     running = {}  # uid -> the conversation whose turn it decodes
@@ -328,16 +329,6 @@ def _main(argv) -> int:
             else:
                 c.cache = PromptCache()
                 start(c)
-
-    def flush(final=False):
-        nonlocal finished, written
-        while len(finished) >= args.shard_conversations or (final and finished):
-            part, finished = finished[: args.shard_conversations], finished[args.shard_conversations:]
-            entry = write_shard(out, len(index["shards"]), part)
-            index["shards"].append(entry)
-            index["seconds"] = seconds0 + time.perf_counter() - t0
-            write_index(out, index)
-            written += len(part)
 
     def answered(c):
         """c's turn has its answer: its record (prompt + answer with their features, the
@@ -380,31 +371,102 @@ def _main(argv) -> int:
                 del running[uid]
                 if getattr(c, "final", False):
                     c.record["log"] = c.log
-                    finished.append(features(c.record))
+                    shards.add(features(c.record))
                     c.record = c.cache = None
                     bar.update(1)
                 else:
                     answered(c)
             FeatureLog.settle()
-            flush()
+            shards.flush()
             refill()
-        flush(final=True)
+        shards.flush(final=True)
     except KeyboardInterrupt:
         # conversations under way end at their last answered turn: nothing answered is lost
         cut = [features(c.record, complete=False) for c in running.values()
                if c.record is not None]
-        finished += cut
-        flush(final=True)
+        for r in cut:
+            shards.add(r)
+        shards.flush(final=True)
         bar.close()
-        print(f"stopped: wrote {written} conversations to {out}, {len(cut)} of them cut at "
+        print(f"stopped: wrote {shards.written} conversations to {out}, {len(cut)} of them cut at "
               "their last answered turn; the same command continues", file=sys.stderr)
         return 130
     finally:
         bar.close()
         if on_main:
             signal.signal(signal.SIGTERM, previous)
-    print(f"wrote {written} conversations to {out} "
-          f"({sum(s['tokens'] for s in index['shards'])} tokens in {len(index['shards'])} shards)")
+    shards.report()
+    return 0
+
+
+class ShardWriter:
+    """Finished conversations into shards of `per_shard`, the index replaced after each."""
+
+    def __init__(self, out: Path, index: dict, per_shard: int):
+        self.out, self.index, self.per_shard = out, index, per_shard
+        self.finished, self.written = [], 0
+        self.t0, self.seconds0 = time.perf_counter(), index["seconds"]
+
+    def add(self, record) -> None:
+        self.finished.append(record)
+
+    def flush(self, final: bool = False) -> None:
+        while len(self.finished) >= self.per_shard or (final and self.finished):
+            part = self.finished[: self.per_shard]
+            self.finished = self.finished[self.per_shard:]
+            entry = write_shard(self.out, len(self.index["shards"]), part)
+            self.index["shards"].append(entry)
+            self.index["seconds"] = self.seconds0 + time.perf_counter() - self.t0
+            write_index(self.out, self.index)
+            self.written += len(part)
+
+    def report(self) -> None:
+        shards = self.index["shards"]
+        print(f"wrote {self.written} conversations to {self.out} "
+              f"({sum(s['tokens'] for s in shards)} tokens in {len(shards)} shards)")
+
+
+def _record_answers(args, shards, conversations, queue, target, tokenizer, taps) -> int:
+    """--answers data: each conversation as the data has it (rendered with the chat template,
+    cut at --max-len), the target's features of it from one forward pass."""
+    import mlx.core as mx
+    import numpy as np
+    from tqdm import tqdm
+    from .data import render
+
+    bar = tqdm(total=len(queue), desc="conversations", disable=args.quiet)
+    previous = signal.getsignal(signal.SIGTERM)
+    on_main = threading.current_thread() is threading.main_thread()
+    if on_main:
+        signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for c in queue:
+            messages = conversations[c.index]
+            rendered = render(tokenizer, messages, args.max_len)
+            if rendered is not None and sum(rendered[1]) > 0:
+                tokens, mask = rendered
+                hidden, tapped = target(mx.array(tokens)[None], taps=taps)
+                feats = {"hidden": hidden[0].astype(mx.float16)}
+                if tapped:
+                    feats["taps"] = mx.concatenate(tapped, axis=-1)[0].astype(mx.float16)
+                mx.eval(feats)
+                shards.add({"index": c.index, "tokens": tokens, "mask": mask,
+                            "feats": {k: np.array(v) for k, v in feats.items()},
+                            "turns": _turns(messages)})
+                shards.flush()
+            bar.update(1)
+        shards.flush(final=True)
+    except KeyboardInterrupt:
+        shards.flush(final=True)
+        bar.close()
+        print(f"stopped: wrote {shards.written} conversations to {shards.out}; the same command "
+              "continues", file=sys.stderr)
+        return 130
+    finally:
+        bar.close()
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
+    shards.report()
     return 0
 
 
