@@ -346,9 +346,10 @@ class BatchGenerator:
         hidden, tapped = target.verify_batch(mx.stack(tokens), self.caches, lengths, positions,
                                              mx.stack(anc), taps=self.taps, max_depth=max_depth)
         logits = target.lm_head(hidden)                                   # [B, T, V]
-        results = []
+        results, verified = [], []
         for b, (s, t, n, sp) in enumerate(zip(rows, trees, sizes, speculative)):
             v = Verified(hidden[b: b + 1], [x[b: b + 1] for x in tapped], logits[b, :n])
+            verified.append(v)
             if sp:
                 results.append(s.engine.accept(t, v, s.state.key()))
             else:  # the next token as plain decoding picks it
@@ -360,10 +361,9 @@ class BatchGenerator:
         # SYNC (once per cycle): every row's accepted nodes and next token
         mx.eval([r for pair in results for r in pair], [t.tokens for t in trees])
         kept, out = [], []
-        for s, t, v_pair, b in zip(rows, trees, results, range(B)):
+        for s, t, v_pair, v, b in zip(rows, trees, results, verified, range(B)):
             path = np.flatnonzero(np.array(v_pair[0])).tolist()
             kept.append(path)
-            v = Verified(hidden[b: b + 1], [x[b: b + 1] for x in tapped], None)
             step = s.engine.advance(s.state, t, v, path, v_pair[1].item())
             if not speculative[b]:
                 step.accept_length = None if s.plain else 0
@@ -421,7 +421,7 @@ def batch_generate(model, tokenizer, prompts: Seq[Union[str, Seq[int]]],
     max_tokens: one for all or one per prompt. settings: one GenerationSettings per prompt
     (temperatures, seeds, trees ...), or stream_generate's keyword arguments for all.
     stop: per prompt, strings that end its text (the text is cut before the first)."""
-    from .server import StopFilter
+    from .generation import StopFilter
 
     _check(isinstance(prompts, (list, tuple)) and len(prompts) > 0,
            "prompts must be a non-empty list of prompts.")

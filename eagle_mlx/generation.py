@@ -328,3 +328,38 @@ def acceptance_warning(model, r: GenerationResponse, temp: float = 0.0) -> Optio
 def generate(model, tokenizer, prompt, **kwargs) -> str:
     """The whole generated text (a thin wrapper over `stream_generate`)."""
     return "".join(r.text for r in stream_generate(model, tokenizer, prompt, **kwargs))
+
+
+class StopFilter:
+    """A generation's text through its stop strings: text that might begin one is held back
+    until the next tokens tell; the first stop string ends the text before it."""
+
+    def __init__(self, stops: List[str]):
+        self.stops, self.held = list(stops), ""
+
+    def feed(self, text: str, finish: Optional[str]):
+        """(text to emit now, finish reason: "stop" at a stop string, else `finish`)."""
+        self.held += text
+        cut = _find_stop(self.held, self.stops)
+        if cut is not None:
+            emit, self.held = self.held[:cut], ""
+            return emit, "stop"
+        keep = _partial_stop(self.held, self.stops) if finish is None else 0
+        emit, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        return emit, finish
+
+
+def _find_stop(text: str, stops: List[str]) -> Optional[int]:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _partial_stop(text: str, stops: List[str]) -> int:
+    """Length of the longest end of `text` that begins some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if s.startswith(text[-n:]):
+                best = n
+                break
+    return best

@@ -179,6 +179,8 @@ class Engine:
 
         group = self.model.group
         share_text(group, json.dumps({"ids": job.ids, "settings": job.settings.asdict()}))
+        from .generation import StopFilter
+
         stops, finish, last = StopFilter(job.stop), None, None
         for r in stream_generate(self.model, self.tokenizer, job.ids, prompt_cache=self.cache,
                                  settings=job.settings):
@@ -215,9 +217,7 @@ class Engine:
 
         best, most = None, 0
         for pc in self.pool:
-            n, limit = 0, min(pc.length, len(ids) - 1)
-            while n < limit and pc.tokens[n] == ids[n]:
-                n += 1
+            n = pc.shared_prefix(ids)
             if n > most:
                 best, most = pc, n
         if best is None:
@@ -237,6 +237,7 @@ class Engine:
         """Serve the queued jobs continuously batched until `stop`: between cycles, new jobs
         join (their prefill a chunk per cycle), finished and cancelled ones leave."""
         from .batch import BatchGenerator
+        from .generation import StopFilter
 
         gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
         last, caches = {}, {}
@@ -263,6 +264,8 @@ class Engine:
                         uid = gen.add(job.ids, job.settings, prompt_cache=pc)
                         self.running[uid], caches[uid] = (job, StopFilter(job.stop)), pc
                     except EagleError as e:
+                        self.pool.append(pc)  # (a refused request leaves the cache as it was)
+                        del self.pool[: -self.max_batch]
                         job.events.put(("error", str(e)))
                 try:
                     job = self.jobs.get_nowait()
@@ -319,41 +322,6 @@ def follow(model, tokenizer) -> None:
                     break
         except EagleError:
             pass  # rank 0 answers the request with the same error
-
-
-class StopFilter:
-    """A generation's text through its stop strings: text that might begin one is held back
-    until the next tokens tell; the first stop string ends the text before it."""
-
-    def __init__(self, stops: List[str]):
-        self.stops, self.held = list(stops), ""
-
-    def feed(self, text: str, finish: Optional[str]):
-        """(text to emit now, finish reason: "stop" at a stop string, else `finish`)."""
-        self.held += text
-        cut = _find_stop(self.held, self.stops)
-        if cut is not None:
-            emit, self.held = self.held[:cut], ""
-            return emit, "stop"
-        keep = _partial_stop(self.held, self.stops) if finish is None else 0
-        emit, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
-        return emit, finish
-
-
-def _find_stop(text: str, stops: List[str]) -> Optional[int]:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None
-
-
-def _partial_stop(text: str, stops: List[str]) -> int:
-    """Length of the longest end of `text` that begins some stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if s.startswith(text[-n:]):
-                best = n
-                break
-    return best
 
 
 class Handler(BaseHTTPRequestHandler):

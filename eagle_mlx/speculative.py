@@ -42,6 +42,13 @@ class PromptCache:
         self.valid = False     # False while a cycle is under way (or was interrupted)
         self.reused = 0        # prompt tokens the last call found in the caches
 
+    def shared_prefix(self, prompt: Sequence[int]) -> int:
+        """Tokens at the start of `prompt` this cache holds (at most all but its last)."""
+        n, limit = 0, min(self.length, len(prompt) - 1)
+        while n < limit and self.tokens[n] == prompt[n]:
+            n += 1
+        return n
+
     def reuse(self, target, drafter, prompt: Sequence[int]) -> int:
         """Make the caches hold a prefix of `prompt` (at most all but its last token) and
         return its length; 0 when nothing can be reused (then the caches are fresh)."""
