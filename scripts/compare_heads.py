@@ -28,6 +28,8 @@ def main():
     p.add_argument("--model", help="target (default: the demo target)")
     p.add_argument("--heads", nargs="+", required=True, help="EAGLE head folders")
     p.add_argument("--num-prompts", type=int, default=20, help="per dataset")
+    p.add_argument("--datasets", nargs="+", default=["mt-bench", "humaneval"],
+                   choices=["mt-bench", "humaneval"])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temps", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--trees", default="16/4/4,60/7/10")
@@ -59,7 +61,7 @@ def main():
             attach_draft_vocab(head, target, tok, n)
         models.append(EagleModel(target, head, h))
     labels = [f"{m.head.kind} {m.head_path}" for m in models]
-    prompts = load_prompts(["mt-bench", "humaneval"], args.num_prompts)
+    prompts = load_prompts(args.datasets, args.num_prompts)
     encoded = [(src, chat_prompt(tok, [{"role": "user", "content": text}])) for src, text in prompts]
 
     report = {"model": str(target.path), "heads": labels, "max_tokens": args.max_tokens,

@@ -46,7 +46,15 @@ SHAREGPT = ("ShareGPT_V3_unfiltered_cleaned_split.json (PyPI package sharegpt-da
             "with the target's chat template, loss on assistant tokens")
 
 
-def describe_data(data) -> str:
+def describe_data(data, features=None) -> str:
+    if features:
+        index = json.loads((Path(features) / "index.json").read_text())
+        shards = index["shards"]
+        return (f"{Path(features).name}: {sum(len(s['sources']) for s in shards)} conversations "
+                f"({sum(s['tokens'] for s in shards)} tokens, "
+                f"{sum(s['answer_tokens'] for s in shards)} of them answers) of the target's own "
+                f"greedy answers to ShareGPT user turns with its features (python -m "
+                f"eagle_mlx.regen, {index['seconds'] / 3600:.1f} h of generation on one core)")
     if not data:
         return SHAREGPT
     return (f"{Path(data).name}: the target's own greedy answers (python -m eagle_mlx.regen) to "
@@ -65,6 +73,10 @@ def main():
     p.add_argument("--fastblas", help="run the trainer through this launcher script")
     p.add_argument("--data", help="train on this ShareGPT-style file (such as a shard's "
                                   "answers from python -m eagle_mlx.regen) instead of ShareGPT")
+    p.add_argument("--features", help="train on this regen feature folder (train --features)")
+    p.add_argument("--train-args", default="",
+                   help="further trainer flags for this segment, e.g. '--labels hard "
+                        "--draft-vocab 8192 --max-len 1024'")
     p.add_argument("--no-ship", action="store_true",
                    help="train only (compare first; ship later with --minutes 0)")
     p.add_argument("--ranking", action="store_true",
@@ -90,9 +102,13 @@ def main():
                 start += ["--init-head", str(folder)]
             work.parent.mkdir(parents=True, exist_ok=True)  # the trainer makes --work itself
             segment_file(work).write_text(json.dumps(
-                {"previous": shipped, "data": describe_data(args.data)}, indent=2) + "\n")
+                {"previous": shipped, "data": describe_data(args.data, args.features),
+                 "trainer_args": args.train_args}, indent=2) + "\n")
         if args.data:  # (a resumed run must see the same data)
             start += ["--data", args.data]
+        if args.features:
+            start += ["--features", args.features]
+        start += args.train_args.split()
         launcher = [args.fastblas] if args.fastblas else []
         # the trainer imports this checkout's eagle_mlx, installed or not
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -126,6 +142,13 @@ def write_ranking():
                         for n in (4096, 8192, 16384, 32768))
     print(f"wrote {RANKING_FILE} ({counts.sum()} answer tokens counted; share of them the N "
           f"most frequent cover: {covered})")
+
+
+def machine() -> str:
+    import platform
+
+    return (f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores (training on one), "
+            "MLX CPU backend")
 
 
 def segment_file(work: Path) -> Path:
@@ -164,6 +187,11 @@ def ship(work: Path, target: Path, kind: str, kind_args: list):
         "seed": state["seed"], "start": "shipped head" if previous_segments(work) else "scratch",
         "steps": state["step"], "training_tokens": state.get("tokens"),
         "conversations_seen": state["epoch"] * state["train_conversations"] + state["position"],
+        "epochs": round(state["epoch"] + state["position"] / max(state["train_conversations"], 1),
+                        2),
+        "trainer_args": json.loads(segment_file(work).read_text()).get("trainer_args", "")
+        if segment_file(work).is_file() else "",
+        "machine": machine(),
         "minutes": round(state.get("seconds", 0.0) / 60, 1),
         "held_out_top1_accuracy": evals[-1]["eval_acc"] if evals else None,
         "held_out_loss": evals[-1]["eval_loss"] if evals else None,
