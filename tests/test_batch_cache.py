@@ -88,3 +88,27 @@ def test_ragged_cache_attends_and_keeps_as_each_sequence_alone():
             assert batch.lengths[b] == n
             np.testing.assert_array_equal(np.array(bk), np.array(alone[b].keys[..., :n, :]))
             np.testing.assert_array_equal(np.array(bv), np.array(alone[b].values[..., :n, :]))
+
+
+def test_a_row_taken_out_of_the_batch_holds_none_of_the_batch():
+    """A leaving row's cache (its next turn's) is a copy of its own positions: once the batch
+    is gone, the batch's buffers are freed (a lazy copy would keep them alive until the row's
+    next turn, a batch's worth of memory per waiting conversation)."""
+    import gc
+
+    B, H, T, D = 8, 4, 2048, 64
+    batch = RaggedKVCache([0] * B)
+    k = mx.random.normal((B, H, T, D))
+    batch.update_and_fetch(k, k)
+    batch.commit([list(range(T))] * B)
+    mx.eval(batch.keys, batch.values)
+    del k
+    gc.collect()
+    before = mx.get_active_memory()
+    row = batch.extract(0)
+    del batch
+    gc.collect()
+    freed = before - mx.get_active_memory()
+    size = 2 * B * H * T * D * 4
+    assert freed > 0.8 * size, (freed, size)
+    assert row.offset == T and row.keys.shape[2] >= T
