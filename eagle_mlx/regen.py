@@ -356,10 +356,7 @@ def _main(argv) -> int:
         r["feats"] = r.pop("log").arrays(n)
         return r
 
-    previous = signal.getsignal(signal.SIGTERM)
-    on_main = threading.current_thread() is threading.main_thread()
-    if on_main:  # a stopped run (Ctrl-C, SIGTERM) keeps what it has answered
-        signal.signal(signal.SIGTERM, _interrupt)
+    stop = _sigterm_interrupts()  # a stopped run (Ctrl-C, SIGTERM) keeps what it has answered
     try:
         refill()
         while running:
@@ -393,8 +390,7 @@ def _main(argv) -> int:
         return 130
     finally:
         bar.close()
-        if on_main:
-            signal.signal(signal.SIGTERM, previous)
+        stop.close()
     shards.report()
     return 0
 
@@ -435,10 +431,7 @@ def _record_answers(args, shards, conversations, queue, target, tokenizer, taps)
     from .data import render
 
     bar = tqdm(total=len(queue), desc="conversations", disable=args.quiet)
-    previous = signal.getsignal(signal.SIGTERM)
-    on_main = threading.current_thread() is threading.main_thread()
-    if on_main:
-        signal.signal(signal.SIGTERM, _interrupt)
+    stop = _sigterm_interrupts()
     try:
         for c in queue:
             messages = conversations[c.index]
@@ -464,14 +457,27 @@ def _record_answers(args, shards, conversations, queue, target, tokenizer, taps)
         return 130
     finally:
         bar.close()
-        if on_main:
-            signal.signal(signal.SIGTERM, previous)
+        stop.close()
     shards.report()
     return 0
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+class _sigterm_interrupts:
+    """SIGTERM raises KeyboardInterrupt (on the main thread) until `close`, as Ctrl-C does."""
+
+    def __init__(self):
+        self.on_main = threading.current_thread() is threading.main_thread()
+        if self.on_main:
+            self.previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, _interrupt)
+
+    def close(self) -> None:
+        if self.on_main:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 def main(argv=None) -> int:
