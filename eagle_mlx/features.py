@@ -23,8 +23,6 @@ from .errors import EagleError
 
 FORMAT = "eagle_mlx-features-1"
 INDEX = "index.json"
-_DTYPES = {"F16": np.float16, "F32": np.float32, "I32": np.int32, "I64": np.int64,
-           "U8": np.uint8}
 
 
 def read_index(out: Path, flag: str = "--out"):
@@ -46,17 +44,17 @@ def read_index(out: Path, flag: str = "--out"):
 
 def map_safetensors(path: Path) -> Dict[str, np.ndarray]:
     """Every tensor of a safetensors file as a read-only view of the mapped file."""
+    from .mtp import SAFETENSORS_DTYPES, safetensors_header
+
     try:
-        with open(path, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(n))
-        data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+        header, start = safetensors_header(path)
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=start)
         out = {}
         for name, info in header.items():
             if name == "__metadata__":
                 continue
             a, b = info["data_offsets"]
-            out[name] = data[a:b].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+            out[name] = data[a:b].view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
         return out
     except (OSError, ValueError, KeyError, struct.error) as e:
         raise EagleError(f"{path} is not a readable feature shard ({e}).") from None
@@ -96,11 +94,6 @@ class FeatureShards:
 
     def __len__(self) -> int:
         return len(self.rows)
-
-    @property
-    def target_answers(self) -> bool:
-        """Whether the answers are the target's own greedy tokens (regen's default)."""
-        return self.settings.get("answers", "target") == "target"
 
     def _shard(self, s: int) -> Dict[str, np.ndarray]:
         if s not in self._maps:

@@ -35,8 +35,9 @@ _NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_nor
           ".k_norm.weight")
 _TOP_NORMS = ("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
-           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+                      "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                      "BOOL": np.bool_}
 
 
 def text_config(config: dict) -> dict:
@@ -49,7 +50,8 @@ def is_mtp_config(config: dict) -> bool:
     return config.get("model_type") in MTP_TYPES and "eagle" not in config
 
 
-def _header(path: Path):
+def safetensors_header(path: Path):
+    """(header, offset of the first tensor byte) of a safetensors file."""
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         return json.loads(f.read(n)), 8 + n
@@ -57,7 +59,7 @@ def _header(path: Path):
 
 def safetensors_keys(path: Path) -> List[str]:
     try:
-        header, _ = _header(path)
+        header, _ = safetensors_header(path)
     except (OSError, ValueError, struct.error) as e:
         raise EagleError(f"{path} is not a readable safetensors file ({e}).") from None
     return [k for k in header if k != "__metadata__"]
@@ -67,19 +69,19 @@ def read_tensors(path: Path, wanted) -> Dict[str, mx.array]:
     """The tensors of one safetensors file whose names `wanted(name)` accepts, reading only
     their bytes."""
     try:
-        header, start = _header(path)
+        header, start = safetensors_header(path)
         out = {}
         with open(path, "rb") as f:
             for name, info in header.items():
                 if name == "__metadata__" or not wanted(name):
                     continue
-                if info["dtype"] not in _DTYPES:
+                if info["dtype"] not in SAFETENSORS_DTYPES:
                     raise EagleError(f"tensor {name} in {path} is stored as {info['dtype']}, "
                                      "which this reader does not take (a quantized checkpoint's "
                                      "MTP tensors: use the unquantized one).")
                 a, b = info["data_offsets"]
                 f.seek(start + a)
-                arr = np.frombuffer(f.read(b - a), dtype=_DTYPES[info["dtype"]])
+                arr = np.frombuffer(f.read(b - a), dtype=SAFETENSORS_DTYPES[info["dtype"]])
                 arr = arr.reshape(info["shape"])
                 x = mx.array(arr)
                 out[name] = x.view(mx.bfloat16) if info["dtype"] == "BF16" else x

@@ -128,8 +128,12 @@ class ConversationData:
         rng = np.random.default_rng([self.args.seed, epoch])
         return [self.train_ids[j] for j in rng.permutation(len(self.train_ids))]
 
+    def trainable(self, ids):
+        """The conversations of `ids` with an answer token within --max-len (a batch's rows)."""
+        return [i for i in ids if self.rendered(i) is not None and sum(self.rendered(i)[1]) > 0]
+
     def batch(self, ids):
-        rows = [r for r in (self.rendered(i) for i in ids) if r is not None and sum(r[1]) > 0]
+        rows = [self.rendered(i) for i in self.trainable(ids)]
         if not rows:
             return None
         L = max(len(t) for t, _ in rows)
@@ -188,7 +192,7 @@ class FeatureData(ConversationData):
         return self._rendered[i]
 
     def features(self, tokens, ids, kind, taps):
-        rows = [i for i in ids if self.rendered(i) is not None and sum(self.rendered(i)[1]) > 0]
+        rows = self.trainable(ids)
         B, L = tokens.shape
         out = {}
         keys = ["hidden"] + (["taps"] if taps else [])
