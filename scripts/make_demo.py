@@ -46,19 +46,35 @@ SHAREGPT = ("ShareGPT_V3_unfiltered_cleaned_split.json (PyPI package sharegpt-da
             "with the target's chat template, loss on assistant tokens")
 
 
-def describe_data(data, features=None) -> str:
+def describe_data(data, features=None, limit=None) -> str:
     if features:
-        index = json.loads((Path(features) / "index.json").read_text())
-        shards = index["shards"]
-        return (f"{Path(features).name}: {sum(len(s['sources']) for s in shards)} conversations "
-                f"({sum(s['tokens'] for s in shards)} tokens, "
-                f"{sum(s['answer_tokens'] for s in shards)} of them answers) of the target's own "
-                f"greedy answers to ShareGPT user turns with its features (python -m "
-                f"eagle_mlx.regen, {index['seconds'] / 3600:.1f} h of generation on one core)")
+        return "; ".join(describe_features(features, limit))
     if not data:
         return SHAREGPT
     return (f"{Path(data).name}: the target's own greedy answers (python -m eagle_mlx.regen) to "
             "ShareGPT user turns, rendered with its chat template, loss on assistant tokens")
+
+
+def describe_features(folders, limit=None) -> list:
+    """What the first `limit` conversations of regen feature folders are, folder by folder
+    (the trainer's --features order): count, tokens, and which ShareGPT conversations."""
+    from eagle_mlx.features import FeatureShards
+
+    shards = FeatureShards(folders, limit=limit)
+    out = []
+    for f, folder in enumerate(shards.folders):
+        rows = [i for i, row in enumerate(shards.rows) if row[0] == f]
+        if not rows:
+            continue
+        index = shards.indexes[f]
+        sources = [index["shards"][s]["sources"][j] for _, s, j in (shards.rows[i] for i in rows)]
+        masks = [shards.tokens_and_mask(i, 1 << 30)[1] for i in rows]
+        out.append(f"{folder.name}: {len(rows)} conversations (ShareGPT {min(sources)}.."
+                   f"{max(sources)}, {sum(map(len, masks))} tokens, {sum(map(sum, masks))} of "
+                   "them answers) of the target's own greedy answers to ShareGPT user turns with "
+                   f"its features (python -m eagle_mlx.regen, {index['seconds'] / 3600:.1f} h of "
+                   "generation on one core)")
+    return out
 
 
 def main():
@@ -73,7 +89,8 @@ def main():
     p.add_argument("--fastblas", help="run the trainer through this launcher script")
     p.add_argument("--data", help="train on this ShareGPT-style file (such as a shard's "
                                   "answers from python -m eagle_mlx.regen) instead of ShareGPT")
-    p.add_argument("--features", help="train on this regen feature folder (train --features)")
+    p.add_argument("--features", nargs="+", metavar="DIR",
+                   help="train on these regen feature folders (train --features)")
     p.add_argument("--train-args", default="",
                    help="further trainer flags for this segment, e.g. '--labels hard "
                         "--draft-vocab 8192 --max-len 1024'")
@@ -102,12 +119,13 @@ def main():
                 start += ["--init-head", str(folder)]
             work.parent.mkdir(parents=True, exist_ok=True)  # the trainer makes --work itself
             segment_file(work).write_text(json.dumps(
-                {"previous": shipped, "data": describe_data(args.data, args.features),
+                {"previous": shipped, "data": describe_data(args.data, args.features,
+                                                            trainer_limit(args.train_args)),
                  "trainer_args": args.train_args}, indent=2) + "\n")
         if args.data:  # (a resumed run must see the same data)
             start += ["--data", args.data]
         if args.features:
-            start += ["--features", args.features]
+            start += ["--features", *args.features]
         start += args.train_args.split()
         launcher = [args.fastblas] if args.fastblas else []
         # the trainer imports this checkout's eagle_mlx, installed or not
@@ -121,6 +139,14 @@ def main():
             raise SystemExit(rc)
     if not args.no_ship:
         ship(work, target, args.kind, kind_args)
+
+
+def trainer_limit(train_args: str):
+    """--num-conversations N of the trainer flags, if given."""
+    words = train_args.replace("=", " ").split()
+    if "--num-conversations" in words[:-1]:
+        return int(words[words.index("--num-conversations") + 1])
+    return None
 
 
 def write_ranking():

@@ -4,6 +4,7 @@ behind. The tools run in-process (their `main`, what the console scripts call); 
 that need a real process (stdin bytes, Ctrl-C) run one."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,6 +65,11 @@ def world(tmp_path_factory):
     (root / "train_out_empty").mkdir()
     assert tool("regen")(["--model", str(target), "--data", str(data), "--out", str(root / "feats"),
                           "--answers", "data", "--no-taps", "--quiet"]) == 0
+    # the same features, their index claiming EAGLE-3 taps: a folder of another recording
+    shutil.copytree(root / "feats", root / "feats_taps")
+    index = json.loads((root / "feats_taps" / "index.json").read_text())
+    index["settings"]["taps"] = [0, 1, 2]
+    (root / "feats_taps" / "index.json").write_text(json.dumps(index))
     return root, target, head, data
 
 
@@ -146,6 +152,10 @@ CASES = [
      "holds no index written by eagle_mlx.regen"),
     ("train", ["--model", "{R}/qwen35_no_mtp", "--features", "{R}/feats", "--out",
                "{R}/train_out"], 1, "holds the features of a llama target"),
+    ("train", ["--model", "{T}", "--features", "{R}/feats", "{R}/feats/", "--out",
+               "{R}/train_out"], 1, "names the same folder twice"),
+    ("train", ["--model", "{T}", "--features", "{R}/feats", "{R}/feats_taps", "--out",
+               "{R}/train_out"], 1, "train on one target's features at a time"),
     ("train", TRAIN + ["--kind", "eagle3", "--draft-vocab", "0"], 2, "--draft-vocab"),
     ("train", TRAIN + ["--kind", "eagle3", "--unroll", "0"], 2, "--unroll"),
     ("train", TRAIN + ["--kind", "eagle3", "--unroll", "1000"], 2, "--unroll"),

@@ -269,48 +269,57 @@ def test_regen_stopped_keeps_what_it_answered_and_continues(setup, tmp_path):
         assert (np.abs(a["hidden"].astype(np.float32) - want) <= 1e-3 * np.abs(want) + 1e-4).all()
 
 
-def _features(tmp_path, target, data, *extra):
+def _features(tmp_path, target, data, *extra, name="feats"):
     """The data's own answers with the target's features (regen --answers data)."""
     from eagle_mlx.regen import main as regen_main
 
-    out = tmp_path / "feats"
+    out = tmp_path / name
     assert regen_main(["--model", str(target), "--data", str(data), "--out", str(out),
                        "--answers", "data", "--max-len", "64", "--shard-conversations", "16",
                        "--quiet", *extra]) == 0
     return out
 
 
-def _conversation_file(feats, path):
-    """The shards' conversations, in shard order, as one ShareGPT-style file."""
-    index = json.loads((feats / "index.json").read_text())
-    path.write_text("".join((feats / s["text"]).read_text() for s in index["shards"]))
+def _conversation_file(folders, path):
+    """The shards' conversations, folder by folder in shard order, as one ShareGPT-style file."""
+    text = []
+    for feats in folders:
+        index = json.loads((feats / "index.json").read_text())
+        text += [(feats / s["text"]).read_text() for s in index["shards"]]
+    path.write_text("".join(text))
     return path
 
 
-@pytest.mark.parametrize("kind,labels,extra", [
-    ("eagle1", "soft", []),
-    ("eagle1", "hard", ["--draft-vocab", "64"]),
-    ("eagle3", "soft", ["--draft-vocab", "64", "--unroll", "3"]),
-    ("eagle3", "hard", ["--draft-vocab", "64", "--unroll", "3"]),
+@pytest.mark.parametrize("kind,labels,extra,folders", [
+    ("eagle1", "soft", [], 1),
+    ("eagle1", "hard", ["--draft-vocab", "64"], 1),
+    ("eagle1", "hard", ["--draft-vocab", "64", "--num-conversations", "30"], 2),
+    ("eagle3", "soft", ["--draft-vocab", "64", "--unroll", "3"], 1),
+    ("eagle3", "hard", ["--draft-vocab", "64", "--unroll", "3"], 1),
 ])
 def test_training_from_cached_features_equals_the_target_in_the_loop(setup, tmp_path, kind,
-                                                                     labels, extra):
+                                                                     labels, extra, folders):
     """The same conversations, seed and order: a head trained on regen's feature shards
     (no target forward) is bit for bit the head trained with the target computing its
-    features in the loop (a float16 target, whose features the shards hold exactly)."""
+    features in the loop (a float16 target, whose features the shards hold exactly). Two
+    folders (two regen runs over different conversations) train as their conversations
+    one after the other, --num-conversations counting across them."""
     from safetensors.numpy import load_file
 
     root, target, data = setup
     if kind == "eagle3":
         target = make_hf_model(tmp_path / "target7", "llama", seed=9, vocab_size=64,
                                num_hidden_layers=7, scale=4.0)
-    feats = _features(tmp_path, target, data, "--num-conversations", "40", "--dtype", "float16",
-                      *(["--no-taps"] if kind == "eagle1" else []))
+    each = 40 // folders
+    feats = [_features(tmp_path, target, data, "--skip", str(f * each), "--num-conversations",
+                       str(each), "--dtype", "float16", name=f"feats{f}",
+                       *(["--no-taps"] if kind == "eagle1" else [])) for f in range(folders)]
     text = _conversation_file(feats, tmp_path / "conversations.jsonl")
     run = ["--model", str(target), "--kind", kind, "--labels", labels, "--dtype", "float16",
            "--max-len", "64", "--batch-size", "1", "--max-steps", "12", "--eval-every", "6",
            "--eval-conversations", "4", "--lr", "2e-3", "--quiet", *extra]
-    assert train_main([*run, "--features", str(feats), "--out", str(tmp_path / "cached")]) == 0
+    assert train_main([*run, "--features", *map(str, feats), "--out",
+                       str(tmp_path / "cached")]) == 0
     assert train_main([*run, "--data", str(text), "--out", str(tmp_path / "loop")]) == 0
     a = load_file(str(tmp_path / "cached" / "checkpoint.safetensors"))
     b = load_file(str(tmp_path / "loop" / "checkpoint.safetensors"))
