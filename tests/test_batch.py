@@ -290,7 +290,7 @@ def test_prompt_caches_carry_each_conversation_to_its_next_turn(pairs, name):
     s = [GenerationSettings(max_tokens=14, **TREE), GenerationSettings(max_tokens=10),
          GenerationSettings(max_tokens=12, temp=0.8, seed=4, **TREE)]
     firsts = PROMPTS[1:4]
-    want, alone_caches = [], []
+    want = []
     for p, st in zip(firsts, s):  # alone: each conversation with its own cache
         pc = PromptCache()
         a = [x for r in eagle_mlx.stream_generate(model, tok, p, settings=st, prompt_cache=pc)
