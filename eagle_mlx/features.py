@@ -114,8 +114,7 @@ class FeatureShards:
                 f"taps {taps or 'none'})")
 
     def check_target(self, target) -> None:
-        have = (self.index.get("model_type"), self.index.get("hidden_size"),
-                self.index.get("num_layers"))
+        have = self._identity(self.index)[:3]
         want = (target.model_type, target.hidden_size, target.num_layers)
         if have != want:
             raise EagleError(f"--features {self.folder} holds the features of a {have[0]} target "

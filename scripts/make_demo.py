@@ -142,11 +142,12 @@ def main():
 
 
 def trainer_limit(train_args: str):
-    """--num-conversations N of the trainer flags, if given."""
-    words = train_args.replace("=", " ").split()
-    if "--num-conversations" in words[:-1]:
-        return int(words[words.index("--num-conversations") + 1])
-    return None
+    """--num-conversations N of the trainer flags (None if not given), as the trainer's own
+    parser reads them."""
+    from eagle_mlx.train import build_parser
+
+    known, _ = build_parser().parse_known_args(["--out", "-", *train_args.split()])
+    return known.num_conversations
 
 
 def write_ranking():
