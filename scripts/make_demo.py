@@ -131,14 +131,27 @@ def main():
         # the trainer imports this checkout's eagle_mlx, installed or not
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        rc = subprocess.call([sys.executable, *launcher, "-m", "eagle_mlx.train", "--model",
-                              str(target), "--out", str(work), "--max-steps", str(args.steps),
-                              "--max-time", str(args.minutes * 60), *TRAIN_ARGS, *kind_args, *start],
-                             cwd=ROOT, env=env)
-        if rc:
+        rc = run_trainer([sys.executable, *launcher, "-m", "eagle_mlx.train", "--model",
+                                   str(target), "--out", str(work), "--max-steps", str(args.steps),
+                                   "--max-time", str(args.minutes * 60), *TRAIN_ARGS, *kind_args,
+                                   *start], env)
+        if rc:  # (130: Ctrl-C, the trainer saved its step; the same command continues)
             raise SystemExit(rc)
     if not args.no_ship:
         ship(work, target, args.kind, kind_args)
+
+
+def run_trainer(command, env):
+    """Run the trainer and return its exit status. Ctrl-C reaches the trainer from the
+    terminal (it finishes its step, saves and exits with 130), so this process only waits."""
+    import signal
+
+    # a Python-level handler, not SIG_IGN (which the trainer would inherit): reset in the child
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        return subprocess.call(command, cwd=ROOT, env=env)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def trainer_limit(train_args: str):

@@ -4,6 +4,7 @@ behind. The tools run in-process (their `main`, what the console scripts call); 
 that need a real process (stdin bytes, Ctrl-C) run one."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -355,6 +356,31 @@ def test_ctrl_c_during_training_leaves_a_checkpoint_that_resumes(world, tmp_path
                  "--eval-conversations", "1", "--resume"])
     assert done.returncode == 0, done.stderr
     assert json.loads((out / "trainer_state.json").read_text())["step"] == state["step"] + 2
+
+
+def test_ctrl_c_to_make_demo_stops_its_trainer_quietly(world, tmp_path):
+    """scripts/make_demo.py runs the trainer as a child; Ctrl-C from a terminal reaches both
+    (their process group): the trainer saves its step, the script waits for it and exits
+    with the trainer's status, with no traceback of its own."""
+    root, target, head, data = world
+    out = tmp_path / "run"
+    train = [sys.executable, "-m", "eagle_mlx.train", "--model", str(target), "--data",
+             str(data), "--out", str(out), "--quiet", "--max-steps", "100000", "--batch-size",
+             "2", "--eval-every", "100000", "--save-every", "100000", "--eval-conversations", "1"]
+    script = ("import sys; sys.path.insert(0, 'scripts'); import make_demo; "
+              f"raise SystemExit(make_demo.run_trainer({train!r}, None))")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    log = out / "train_log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.is_file() and log.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    _, err = proc.communicate(timeout=120)
+    err = err.decode()
+    assert proc.returncode == 130, err
+    assert "interrupted: checkpoint of step" in err and "Traceback" not in err, err
+    assert json.loads((out / "trainer_state.json").read_text())["step"] >= 2
 
 
 def test_a_failed_fresh_training_leaves_no_folder(world, tmp_path, capsys):
