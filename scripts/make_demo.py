@@ -25,6 +25,7 @@ that launcher (a faster BLAS for MLX's CPU backend); OPENBLAS_NUM_THREADS=1 keep
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -132,9 +133,9 @@ def main():
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         rc = run_trainer([sys.executable, *launcher, "-m", "eagle_mlx.train", "--model",
-                                   str(target), "--out", str(work), "--max-steps", str(args.steps),
-                                   "--max-time", str(args.minutes * 60), *TRAIN_ARGS, *kind_args,
-                                   *start], env)
+                          str(target), "--out", str(work), "--max-steps", str(args.steps),
+                          "--max-time", str(args.minutes * 60), *TRAIN_ARGS, *kind_args, *start],
+                         env)
         if rc:  # (130: Ctrl-C, the trainer saved its step; the same command continues)
             raise SystemExit(rc)
     if not args.no_ship:
@@ -144,8 +145,6 @@ def main():
 def run_trainer(command, env):
     """Run the trainer and return its exit status. Ctrl-C reaches the trainer from the
     terminal (it finishes its step, saves and exits with 130), so this process only waits."""
-    import signal
-
     # a Python-level handler, not SIG_IGN (which the trainer would inherit): reset in the child
     previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
     try:

@@ -330,18 +330,29 @@ def test_undecodable_bytes_on_stdin(world):
     assert proc.stdout.strip()  # the second line got its reply
 
 
-def test_ctrl_c_during_training_leaves_a_checkpoint_that_resumes(world, tmp_path):
-    root, target, head, data = world
-    out = tmp_path / "run"
-    args = ["eagle_mlx.train", "--model", str(target), "--data", str(data), "--out", str(out),
+def _endless_training(target, data, out):
+    """A training run that only Ctrl-C ends (module and flags for python -m)."""
+    return ["eagle_mlx.train", "--model", str(target), "--data", str(data), "--out", str(out),
             "--quiet", "--max-steps", "100000", "--batch-size", "2", "--eval-every", "100000",
             "--save-every", "100000", "--eval-conversations", "1"]
-    proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+
+
+def _wait_for_two_steps(out):
+    """The training log under out once it holds two steps (or after two minutes)."""
     log = out / "train_log.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (log.is_file() and log.read_text().count("\n") >= 2):
         time.sleep(0.2)
+    return log
+
+
+def test_ctrl_c_during_training_leaves_a_checkpoint_that_resumes(world, tmp_path):
+    root, target, head, data = world
+    out = tmp_path / "run"
+    args = _endless_training(target, data, out)
+    proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    log = _wait_for_two_steps(out)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     err = err.decode()
@@ -364,17 +375,12 @@ def test_ctrl_c_to_make_demo_stops_its_trainer_quietly(world, tmp_path):
     with the trainer's status, with no traceback of its own."""
     root, target, head, data = world
     out = tmp_path / "run"
-    train = [sys.executable, "-m", "eagle_mlx.train", "--model", str(target), "--data",
-             str(data), "--out", str(out), "--quiet", "--max-steps", "100000", "--batch-size",
-             "2", "--eval-every", "100000", "--save-every", "100000", "--eval-conversations", "1"]
+    train = [sys.executable, "-m", *_endless_training(target, data, out)]
     script = ("import sys; sys.path.insert(0, 'scripts'); import make_demo; "
               f"raise SystemExit(make_demo.run_trainer({train!r}, None))")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
-    log = out / "train_log.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (log.is_file() and log.read_text().count("\n") >= 2):
-        time.sleep(0.2)
+    _wait_for_two_steps(out)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     _, err = proc.communicate(timeout=120)
     err = err.decode()
