@@ -315,7 +315,11 @@ class Trainer:
     # -------------------------------------------------------------- loss
     def loss(self, head, feats, toks, target_feats, target_p, mask, sel, keep=None):
         """The recipe's loss; the vocabulary-wide part (logits, log-softmax, cross-entropy,
-        about half of a step) only at the `sel` positions, the ones the mask counts."""
+        about half of a step) only at the `sel` positions, the ones the mask counts.
+        toks a list (`--unroll` N > 1): the same loss at each of N unrolled steps, step j
+        weighted 0.8**j (`ttt`)."""
+        if isinstance(toks, list):
+            return self.unrolled_loss(head, feats, toks, target_feats, target_p, mask, sel, keep)
         pred = head(feats, toks, self.target.embed_tokens)
         logits = self.head_logits(pred.reshape(-1, pred.shape[-1])[sel])
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -331,12 +335,38 @@ class Trainer:
         return vloss + 0.1 * ploss, {"vloss": vloss, "ploss": ploss,
                                      "correct": right.sum()[None], "count": mask.sum()[None]}
 
+    def unrolled_loss(self, head, feats, toks, target_feats, target_p, mask, sel, keep):
+        """Step j's output at position i (its input the head's own output of step j - 1)
+        learns the target's features at i + 1 + j and the label of position i + j."""
+        outs = ttt.unroll(head, feats, toks, self.target.embed_tokens)
+        T = feats.shape[1]
+        pos, denom = sel % T, mask.sum() + 1e-5
+        total, vlosses, plosses, correct, counts = 0.0, [], [], [], []
+        for j, out in enumerate(outs):
+            live = pos >= j
+            w = live if keep is None else live & keep
+            logits = self.head_logits(out.reshape(-1, out.shape[-1])[mx.maximum(sel - j, 0)])
+            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            ce, top = cross_entropy_terms(logp, target_p)
+            ploss = -(w * ce).sum() / denom
+            vloss = (mask[:, j:] * smooth_l1(out[:, : T - j], target_feats[:, j:]).mean(-1)
+                     ).sum() / denom
+            total = total + ttt.STEP_WEIGHT ** j * (vloss + 0.1 * ploss)
+            vlosses.append(vloss)
+            plosses.append(ploss)
+            correct.append(((logits.argmax(-1) == top) & w).sum())
+            counts.append(live.sum())
+        return total, {"vloss": mx.stack(vlosses), "ploss": mx.stack(plosses),
+                       "correct": mx.stack(correct), "count": mx.stack(counts)}
+
     def prepare(self, tokens, mask, ids, step_for_noise=None, labels="soft"):
         hidden = self.data.features(tokens, ids, self.kind, self.taps)["hidden"]
         feats, target_feats = self.noised(hidden[:, :-1], step_for_noise), hidden[:, 1:]
         sel = counted(mask[:, :-1])
         target, keep = self.labels(tokens, mask, target_feats, sel, labels)
-        return feats, tokens[:, 1:], target_feats, target, mask[:, :-1], sel, keep
+        toks = tokens[:, 1:] if self.args.unroll == 1 else ttt.step_tokens(tokens,
+                                                                           self.args.unroll)
+        return feats, toks, target_feats, target, mask[:, :-1], sel, keep
 
     def noised(self, feats, step):
         """Training features with the recipe's U(-noise, noise), drawn from the step's own key
@@ -396,6 +426,7 @@ class Trainer:
         state = {"step": self.step, "epoch": self.epoch, "position": self.position,
                  "seed": self.args.seed, "train_conversations": len(self.data.train_ids),
                  "kind": self.kind, "draft_vocab_size": self.head.draft_vocab_size,
+                 "unroll": self.args.unroll,
                  "tokens": self.tokens, "seconds": round(self.seconds, 1)}
         # each file is replaced whole; the state names the step, so it is written last
         head_dir, old_head = self.out / "head", self.out / ".head.old"
@@ -425,6 +456,10 @@ class Trainer:
             raise EagleError(f"--resume: the checkpoint in {self.out} drafts over "
                              f"{state['draft_vocab_size']} tokens; resume with --draft-vocab "
                              f"{state['draft_vocab_size']}.")
+        unroll = state.get("unroll", EAGLE3_UNROLL if self.kind == "eagle3" else 1)
+        if unroll != self.args.unroll:
+            raise EagleError(f"--resume: the checkpoint in {self.out} was trained with --unroll "
+                             f"{unroll}; resume with --unroll {unroll}.")
         arrays = mx.load(str(ckpt))
         self.head.load_weights([(k[5:], v) for k, v in arrays.items() if k.startswith("head.")])
         self.optimizer.init(self.head.trainable_parameters())
@@ -600,8 +635,11 @@ def build_parser():
                    help=f"eagle3: draft over the N most frequent answer tokens of the data "
                         f"(default: {EAGLE3_DRAFT_VOCAB} or the target's vocabulary if smaller); "
                         "eagle1: the loss over those N tokens only (default: every token)")
-    p.add_argument("--unroll", type=int, default=EAGLE3_UNROLL,
-                   help=f"eagle3: training-time-test steps (default: {EAGLE3_UNROLL})")
+    p.add_argument("--unroll", type=int, default=None,
+                   help=f"training-time-test steps: the head also learns from its own outputs "
+                        f"fed back, as it drafts deeper levels (default: {EAGLE3_UNROLL} for "
+                        "eagle3, the recipe; 1 for eagle1, the recipe, where N > 1 is HASS's "
+                        "harmonized context)")
     p.add_argument("--lm-head-init", choices=["target", "random"], default="target",
                    help="eagle3: start the draft lm_head from the target's rows (default) or "
                         "at random as the recipe does")
@@ -633,11 +671,10 @@ def check_args(args) -> None:
         args.warmup_steps = 0 if args.kind == "eagle1" else min(12000, args.max_steps // 20)
     if args.warmup_steps < 0:
         raise UsageError(f"--warmup-steps must be 0 or more (got {args.warmup_steps}).")
-    if args.kind != "eagle3":
-        for flag, default in (("unroll", EAGLE3_UNROLL),
-                              ("lm_head_init", "target")):
-            if getattr(args, flag) != default:
-                raise UsageError(f"--{flag.replace('_', '-')} is for EAGLE-3 heads; add --kind eagle3.")
+    if args.unroll is None:
+        args.unroll = EAGLE3_UNROLL if args.kind == "eagle3" else 1
+    if args.kind != "eagle3" and args.lm_head_init != "target":
+        raise UsageError("--lm-head-init is for EAGLE-3 heads; add --kind eagle3.")
     if args.draft_vocab is not None and args.draft_vocab < 1:
         raise UsageError(f"--draft-vocab must be at least 1 (got {args.draft_vocab}).")
     if not 1 <= args.unroll <= MAX_UNROLL:

@@ -1,12 +1,16 @@
-"""EAGLE-3's training-time test: the head unrolled on its own outputs, as it drafts.
+"""The training-time test: the head unrolled on its own outputs, as it drafts (EAGLE-3's
+recipe; for an EAGLE-1 head, `train --unroll`, the same idea as HASS's harmonized context).
 
 At draft depth j the engine feeds a tree node the head's own output at its parent and
 the token drafted there; the node attends to the real positions (the catch-up keys,
 made from target features) and to its own chain of ancestors. Training reproduces
 exactly that for every position i of a batch at once:
 
-    step 0:  (fc(taps_i), token_{i+1})                 at position i
+    step 0:  (target features_i, token_{i+1})          at position i
     step j:  (out_{j-1,i}, token_{i+1+j})              at position i + j
+
+(EAGLE-3: the target features are fc(taps_i); EAGLE-1: the post-norm hidden state, and every
+step's input is fc(embedding, features) as in the head's own forward.)
 
 where step j attends to the step-0 keys of positions <= i and to the keys of steps 1..j
 at position i alone (its ancestors and itself), and predicts the target's next-token
@@ -29,21 +33,32 @@ def _heads(x: mx.array, n: int) -> mx.array:
 def unroll(head, feats: mx.array, step_tokens: List[mx.array], embed) -> List[mx.array]:
     """The head's output hidden states [B, T, H] at each unroll step.
 
-    feats [B, T, 3 x target width]: the tapped target states of positions 0..T-1;
+    feats [B, T, F]: the target's features of positions 0..T-1 (EAGLE-3: the tapped states,
+    3 x target width; EAGLE-1: the post-norm hidden state);
     step_tokens[j] [B, T]: the token paired with position i at step j (token i+1+j).
     """
-    layer = head.midlayer
+    if head.kind == "eagle1":
+        layer = head.layers[0]
+        h = feats
+
+        def step_input(e, h):  # (attention input, residual)
+            x = head.fc(mx.concatenate([e, h], axis=-1))
+            return x, x
+    else:
+        layer = head.midlayer
+        if "embed_tokens" in head:
+            embed = head.embed_tokens
+        h = head.fc(feats)
+
+        def step_input(e, h):
+            return mx.concatenate([layer.input_layernorm(e), layer.hidden_norm(h)], axis=-1), h
     attn = layer.self_attn
-    if "embed_tokens" in head:
-        embed = head.embed_tokens
-    h = head.fc(feats)
     T = feats.shape[1]
     rep = attn.n_heads // attn.n_kv_heads
     causal = mx.triu(mx.full((T, T), -mx.inf, dtype=mx.float32), k=1)
     keys, values, outs = [], [], []
     for j, tokens in enumerate(step_tokens):
-        e = embed(tokens).astype(h.dtype)
-        a = mx.concatenate([layer.input_layernorm(e), layer.hidden_norm(h)], axis=-1)
+        a, residual = step_input(embed(tokens).astype(h.dtype), h)
         q = attn.rope(_heads(attn.q_proj(a), attn.n_heads), offset=j)
         k = attn.rope(_heads(attn.k_proj(a), attn.n_kv_heads), offset=j)
         v = _heads(attn.v_proj(a), attn.n_kv_heads)
@@ -60,7 +75,7 @@ def unroll(head, feats: mx.array, step_tokens: List[mx.array], embed) -> List[mx
             o = o + w[..., T + s - 1: T + s] * values[s]
         B = o.shape[0]
         o = attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, T, -1))
-        h = h + o
+        h = residual + o
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         outs.append(h)
     return outs
