@@ -1,6 +1,6 @@
 """Training tokens/s with the target in the loop against training from cached features.
 
-    OPENBLAS_NUM_THREADS=1 python ../shared/tools/fastblas.py scripts/bench_train.py
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. python ../shared/tools/fastblas.py -m scripts.bench_train
 
 One run, one process: ShareGPT conversations rendered for the demo target (or --model),
 their features recorded once (`regen --answers data`: that pass's tokens/s is reported
@@ -8,8 +8,9 @@ too), then the same batches trained (warm-up step first, then --steps timed step
 each mode: the target's forward in the loop (today's `train --data`), and `train
 --features` with soft labels (the target's lm_head over the cached features), hard labels
 (no lm_head), each over the whole vocabulary (EAGLE-3: its default draft vocabulary) and
-over a --draft-vocab one. Prints a markdown table of tokens/s and the ratio to the first
-(in the loop, whole vocabulary) run of the same kind.
+over a --draft-vocab one; with --unroll, each of those unroll steps in turn. Prints a
+markdown table of tokens/s and the ratio to the first (in the loop, whole vocabulary) run of
+the same kind and unroll.
 """
 
 import argparse
@@ -31,6 +32,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--kinds", nargs="+", default=["eagle1", "eagle3"])
+    p.add_argument("--unroll", type=int, nargs="+",
+                   help="also time these --unroll steps (default: each kind's recipe alone)")
     p.add_argument("--modes", nargs="+", type=int, help="only these of the modes (0-5)")
     p.add_argument("--json", help="also write the figures here")
     a = p.parse_args()
@@ -69,7 +72,7 @@ def main() -> int:
              (f"cached, hard labels, loss over {a.draft_vocab} tokens", "features", "hard",
               a.draft_vocab)]
     rows = []
-    for kind in a.kinds:
+    for kind, unroll in [(k, u) for k in a.kinds for u in (a.unroll or [None])]:
         base = None
         for m, (name, source, labels, vocab) in enumerate(modes):
             if a.modes and m not in a.modes:
@@ -78,6 +81,9 @@ def main() -> int:
                     "--batch-size", str(a.batch_size), "--max-len", str(a.max_len)]
             if vocab:
                 argv += ["--draft-vocab", str(vocab)]
+            if unroll:
+                argv += ["--unroll", str(unroll)]
+                name += f", unroll {unroll}"
             args = build_parser().parse_args(argv)
             check_args(args)
             if source == "loop":
