@@ -316,9 +316,9 @@ class Trainer:
     def loss(self, head, feats, toks, target_feats, target_p, mask, sel, keep=None):
         """The recipe's loss; the vocabulary-wide part (logits, log-softmax, cross-entropy,
         about half of a step) only at the `sel` positions, the ones the mask counts.
-        toks a list (`--unroll` N > 1): the same loss at each of N unrolled steps, step j
-        weighted 0.8**j (`ttt`)."""
-        if isinstance(toks, list):
+        `--unroll` N > 1 (toks then one array per step): the same loss at each of N
+        unrolled steps, step j weighted 0.8**j (`ttt`)."""
+        if self.args.unroll > 1:
             return self.unrolled_loss(head, feats, toks, target_feats, target_p, mask, sel, keep)
         pred = head(feats, toks, self.target.embed_tokens)
         logits = self.head_logits(pred.reshape(-1, pred.shape[-1])[sel])
@@ -340,12 +340,12 @@ class Trainer:
         learns the target's features at i + 1 + j and the label of position i + j."""
         outs = ttt.unroll(head, feats, toks, self.target.embed_tokens)
         T = feats.shape[1]
-        pos, denom = sel % T, mask.sum() + 1e-5
+        denom = mask.sum() + 1e-5
         total, vlosses, plosses, correct, counts = 0.0, [], [], [], []
-        for j, out in enumerate(outs):
-            live = pos >= j
+        for j, rows, live in ttt.step_rows(outs, sel, T):
+            out = outs[j]
             w = live if keep is None else live & keep
-            logits = self.head_logits(out.reshape(-1, out.shape[-1])[mx.maximum(sel - j, 0)])
+            logits = self.head_logits(rows)
             logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             ce, top = cross_entropy_terms(logp, target_p)
             ploss = -(w * ce).sum() / denom

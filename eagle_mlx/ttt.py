@@ -89,6 +89,15 @@ def step_tokens(tokens: mx.array, steps: int) -> List[mx.array]:
     return [padded[:, j: j + L - 1] for j in range(steps)]
 
 
+def step_rows(outs: List[mx.array], sel: mx.array, T: int):
+    """Per unroll step j: (j, its output rows scoring the `sel` rows, which of them are
+    live). Row a (flat b*T + a) is scored by step j's output at position a - j, live where
+    a - j >= 0 (within its own sequence)."""
+    pos = sel % T
+    for j, out in enumerate(outs):
+        yield j, out.reshape(-1, out.shape[-1])[mx.maximum(sel - j, 0)], pos >= j
+
+
 def unrolled_loss(head, feats, toks, embed, target_p, keep, sel, T, denom):
     """The weighted sum of step losses, each step's loss and correct-prediction count.
 
@@ -100,12 +109,9 @@ def unrolled_loss(head, feats, toks, embed, target_p, keep, sel, T, denom):
     """
     outs = unroll(head, feats, toks, embed)
     total, losses, correct, counts = 0.0, [], [], []
-    pos = sel % T
     hard = target_p.ndim == 1
     top = target_p if hard else target_p.argmax(-1)
-    for j, out in enumerate(outs):
-        live = pos >= j
-        rows = out.reshape(-1, out.shape[-1])[mx.maximum(sel - j, 0)]
+    for j, rows, live in step_rows(outs, sel, T):
         logits = head.lm_head(head.norm(rows)).astype(mx.float32)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         w = (live & keep).astype(mx.float32)
