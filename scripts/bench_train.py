@@ -37,6 +37,10 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", type=int, help="only these of the modes (0-5)")
     p.add_argument("--json", help="also write the figures here")
     a = p.parse_args()
+    from eagle_mlx.train import MAX_UNROLL
+
+    if any(not 1 <= u <= MAX_UNROLL for u in a.unroll or []):
+        p.error(f"--unroll must be from 1 to {MAX_UNROLL} steps (got {a.unroll}).")
 
     from eagle_mlx.data import load_conversations
     from eagle_mlx.features import FeatureShards

@@ -438,3 +438,16 @@ def test_a_head_far_below_its_own_record_gets_a_warning(world):
     model.head.held_out_top1 = None
     model.tuning = {"tau": r.mean_accept_length * 3, "temp": 0.0}  # the benchmark saw far more
     assert "far below" in acceptance_warning(model, r)
+
+
+@pytest.mark.parametrize("values", [["0"], ["3", "1000"], ["-2"]])
+def test_bench_train_refuses_a_bad_unroll_before_measuring(values, tmp_path):
+    """scripts/bench_train.py --unroll: a value out of range is one sentence and exit 2 before
+    any features are recorded (nothing left in the temporary folder)."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "scripts/bench_train.py", "--unroll", *values],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "--unroll must be from 1 to" in lines[-1] and "Traceback" not in proc.stderr
+    assert not list(tmp_path.iterdir())
