@@ -48,11 +48,12 @@ from .errors import EagleError  # noqa: E402
 
 # The rest is imported when first used: mlx-lm pulls in transformers (and torch, where it
 # is installed), seconds that a tool refusing a bad flag, or printing --help, need not pay.
-_LAZY = {"load_head": "checkpoint", "GenerationResponse": "generation", "generate": "generation",
-         "stream_generate": "generation", "PromptCache": "speculative", "EagleModel": "model",
-         "load": "model", "Target": "target", "load_target": "target",
-         "GenerationSettings": "values", "LookupSettings": "lookup",
-         "batch_generate": "batch", "BatchGenerator": "batch"}
+_LAZY = {"load_head": "heads.read", "GenerationResponse": "decoding.responses",
+         "generate": "generation", "stream_generate": "generation",
+         "PromptCache": "decoding.steps", "EagleModel": "model", "load": "model",
+         "Target": "targets.target", "load_target": "targets.target",
+         "GenerationSettings": "decoding.settings", "LookupSettings": "decoding.lookup",
+         "batch_generate": "generation", "BatchGenerator": "decoding.batch"}
 
 
 def __getattr__(name):

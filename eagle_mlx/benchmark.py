@@ -28,7 +28,7 @@ import numpy as np
 from .cli import (ArgumentParser, UsageError, add_model_args, chat_prompt, flag_name,
                   load_from_args, lookup_from_args, run_cli)
 from .errors import EagleError
-from .values import GenerationSettings
+from .decoding.settings import GenerationSettings
 from .outputs import atomic_file, check_out_file
 
 DEFAULT_TREES = "4/2/2,8/3/2,16/4/4,32/5/6,60/5/10"
@@ -114,7 +114,7 @@ def edit_prompts(n):
     half = (n + 1) // 2
     out = [("edit", EDIT_CODE[i % 2].format(r["prompt"] + r["canonical_solution"]))
            for i, r in enumerate(_spread(others[1::2], half))]
-    from .data import load_conversations
+    from .training.data import load_conversations
 
     answers = [m["content"] for c in load_conversations(limit=400) for m in c
                if m["role"] == "assistant" and 300 <= len(m["content"]) <= 1200]
@@ -235,7 +235,7 @@ def expected_tokens_per_second(tree, tau, verify, draft, calibration):
 
 def run_one(model, tokenizer, ids, max_tokens, temp, seed, tree=None, timer=None):
     from .generation import stream_generate
-    from .speculative import SamplingParams, eagle_steps
+    from .decoding.steps import SamplingParams, eagle_steps
 
     if timer is not None:  # profiling run: the engine itself, with syncs after each phase
         steps = eagle_steps(model.target, model.head, ids, SamplingParams(temp), timer=timer,
@@ -407,7 +407,7 @@ def measure_prompt(model, tokenizer, ids, args, trees, default, temp, seed, coun
     """One prompt at one temperature: plain decoding, then each tree (interleaved, so the
     machine's drift hits them alike), then a profile of the default tree's cycle phases
     (`count_graph`: also count the graph operations of each phase)."""
-    from .profiling import GraphCounter, PhaseTimer
+    from .decoding.profiling import GraphCounter, PhaseTimer
 
     row = {"prompt_tokens": len(ids), "temp": temp}
     row["plain"] = run_one(model, tokenizer, ids, args.max_tokens, temp, seed)
@@ -659,8 +659,8 @@ def batch_report(model, tokenizer, encoded, args, trees) -> dict:
     """Continuous batching at every --batch-sizes B: B prompts (the benchmark's, cycled)
     decoded together, plain and with every tree, greedy; aggregate tokens/s of each, and
     the choice for B: the fastest tree, or plain decoding where none beats it."""
-    from .batch import batch_generate
-    from .values import GenerationSettings
+    from .generation import batch_generate
+    from .decoding.settings import GenerationSettings
 
     out = {}
     modes = [None] + trees
@@ -702,7 +702,7 @@ def lookup_report(model, tokenizer, encoded, args) -> dict:
     the drafter's host time per cycle."""
     from dataclasses import replace
 
-    from .lookup import LookupDrafter, calibration
+    from .decoding.lookup import LookupDrafter, calibration
     from .model import EagleModel
 
     settings = model.lookup

@@ -33,7 +33,7 @@ class Chat:
         self.turns = []  # user/assistant messages, oldest first
         self.last = None
         self.session = {"replies": 0, "tokens": 0, "forwards": 0}
-        from .speculative import PromptCache
+        from .decoding.steps import PromptCache
 
         self.cache = PromptCache()
         self.warned = False  # the acceptance warning is given once

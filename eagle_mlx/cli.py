@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .errors import EagleError
-from .tree import MC_SIM_7B_63
+from .decoding.tree import MC_SIM_7B_63
 
 
 class UsageError(EagleError):
@@ -89,7 +89,7 @@ def add_lookup_args(p: argparse.ArgumentParser) -> None:
 
 def lookup_from_args(args):
     """LookupSettings from --lookup and its settings (None without --lookup)."""
-    from .lookup import LookupSettings
+    from .decoding.lookup import LookupSettings
 
     extra = {k: getattr(args, f"lookup_{k}", None) for k in ("min_match", "max_draft")}
     given = [k for k, v in extra.items() if v is not None]
@@ -114,7 +114,7 @@ def add_draft_vocab_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    from .values import DTYPE_CHOICES
+    from .targets.dtypes import DTYPE_CHOICES
 
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="weights at load time: auto = float32 on the CPU (dequantized: MLX's "
@@ -146,7 +146,7 @@ def flag_name(field: str) -> str:
 def settings_from_args(args):
     """The GenerationSettings the sampling and tree flags ask for, checked: a bad value is
     one sentence naming its flag, exit code 2, before anything loads."""
-    from .values import GenerationSettings
+    from .decoding.settings import GenerationSettings
 
     tree_choices = None if args.tree_choices is None else parse_tree_choices(args.tree_choices)
     settings = GenerationSettings(
@@ -232,7 +232,7 @@ def load_from_args(args):
 
 def describe_mode(model, settings) -> str:
     """What a generation with these settings runs: plain decoding or the tree actually used."""
-    from .generation import tree_plan
+    from .decoding.plan import tree_plan
 
     lookup = getattr(model, "lookup", None)
     tree = None if model.head is None else tree_plan(
@@ -271,10 +271,10 @@ def chat_prompt(tokenizer, messages, use_template: bool = True):
     """Token ids of a conversation: the chat template when the tokenizer has one, else the
     messages' text, one per line."""
     if use_template and getattr(tokenizer, "chat_template", None):
-        from .data import template_ids
+        from .training.data import template_ids
 
         return template_ids(tokenizer, messages, True)
-    from .generation import encode_prompt
+    from .decoding.plan import encode_prompt
 
     return encode_prompt(tokenizer, "\n".join(m["content"] for m in messages))
 

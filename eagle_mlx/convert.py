@@ -15,7 +15,7 @@ from pathlib import Path
 from .cli import ArgumentParser
 from .errors import EagleError
 from .outputs import atomic_dir, check_new_dir
-from .values import DTYPES
+from .targets.dtypes import DTYPES
 
 
 def main(argv=None) -> int:
@@ -51,8 +51,8 @@ def save_target(target, tokenizer, out: Path, dtype=None, q_bits=None, q_group_s
     mlx-lm writes it; per-layer bits of a GGUF's quantized tensors are kept."""
     from .mlxlm import quantize_model, save_config, save_model
 
-    from .gguf import FreqsRoPE, quantization_config
-    from .target import convert_dtype
+    from .targets.gguf import FreqsRoPE, quantization_config
+    from .targets.load import convert_dtype
 
     if isinstance(target.layers[0].self_attn.rope, FreqsRoPE):
         raise EagleError(f"{target.path} scales RoPE with llama.cpp frequency factors "
@@ -90,14 +90,14 @@ def _main(argv) -> int:
         check_new_dir(model_out, "--model-mlx-path")
         if model_out.absolute() == out.absolute():
             raise EagleError("--model-mlx-path must differ from --mlx-path.")
-    from .checkpoint import build_head, read_head
-    from .head_io import save_head
+    from .heads.read import build_head, read_head
+    from .heads.write import save_head
 
     head = target = None
     if args.eagle:
         config, weights, path = read_head(args.eagle)
     if args.model:
-        from .target import load_target
+        from .targets.load import load_target
 
         target, tokenizer = load_target(args.model, lazy=True, dtype="stored")
     if args.eagle:

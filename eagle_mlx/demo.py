@@ -45,9 +45,11 @@ def demo_paths():
     return str(demo_target()), (str(head) if head else None)
 
 
-RANKING_FILE = DEMO_DIR / "token_ranking.npy"
-# draft over the demo target's most frequent answer tokens (README: tau and draft cost
-# against the draft vocabulary size on the demo pair)
+# the demo target's token ranking, under the name the draft vocabulary's cache gives it
+# (scripts/make_demo.py --ranking)
+RANKINGS = DEMO_DIR / "draft_vocab"
+# draft over the demo target's most frequent answer tokens (docs/heads.md: tau and draft
+# cost against the draft vocabulary size on the demo pair)
 DEMO_DRAFT_VOCAB = 8192
 
 
@@ -56,14 +58,3 @@ def demo_draft_vocab(head) -> Optional[int]:
     EAGLE-1 head; None for an EAGLE-3 head (it drafts over the vocabulary it was trained
     with) or none."""
     return DEMO_DRAFT_VOCAB if head is not None and head.kind == "eagle1" else None
-
-
-def demo_ranking(target) -> Optional["object"]:
-    """The shipped token ranking (scripts/make_demo.py --ranking) when `target` is the demo
-    target, else None."""
-    import numpy as np
-
-    path = getattr(target, "path", None)
-    if path is None or Path(path).name != DEMO_GGUF or not RANKING_FILE.is_file():
-        return None
-    return np.load(RANKING_FILE).astype(np.int32)

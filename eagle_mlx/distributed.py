@@ -47,24 +47,6 @@ def rank(g: Optional[mx.distributed.Group]) -> int:
     return g.rank() if g is not None else 0
 
 
-def shard(model, config: dict, g: mx.distributed.Group, path) -> None:
-    """Split the target's decoder layers across the group (mlx-lm's own sharding)."""
-    n = g.size()
-    if not hasattr(model, "shard"):
-        raise EagleError(f"mlx-lm cannot shard {config.get('model_type')} models ({path}) "
-                         "across machines; it shards Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, "
-                         "gpt-oss, Ministral 3 and Qwen3.5 (dense and MoE).")
-    text = config.get("text_config") or config  # (a multimodal checkpoint's language model)
-    heads = text["num_attention_heads"]
-    kv = text.get("num_key_value_heads") or heads
-    inter = text.get("intermediate_size") or 0
-    for what, v in (("attention heads", heads), ("key/value heads", kv),
-                    ("MLP columns", inter)):
-        if v % n:
-            raise EagleError(f"{path} has {v} {what}, which do not split evenly over {n} ranks.")
-    model.shard(g)
-
-
 def shared_seed(g: mx.distributed.Group) -> int:
     """A fresh random seed, the same on every rank (rank 0 draws it)."""
     mine = int.from_bytes(os.urandom(4), "little") >> 1 if g.rank() == 0 else 0

@@ -5,8 +5,15 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .checkpoint import load_head
-from .target import Target, convert_dtype, load_target, resolve_dtype
+from .decoding.lookup import LookupSettings
+from .demo import RANKINGS
+from .errors import EagleError
+from .heads.draft_vocab import check_size, token_ranking
+from .heads.draft_vocab import draft_vocab as reduced_vocab
+from .heads.read import load_head
+from .targets.load import convert_dtype, load_target, resolve_dtype
+from .targets.target import Target
+from .training.data import load_conversations
 from .tuning import read_tuning
 
 # Tree defaults for Apple Silicon: verifying costs more per extra token on a Mac than on a
@@ -73,8 +80,6 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     head's tree within its node budget.
     Returns (EagleModel, tokenizer); with eagle=None and no lookup decoding is plain.
     """
-    from .lookup import LookupSettings
-
     convert_to = resolve_dtype(dtype)
     if group is not None and group.size() < 2:
         group = None
@@ -83,8 +88,6 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     elif lookup is False or lookup is None:
         lookup = None
     elif not isinstance(lookup, LookupSettings):
-        from .errors import EagleError
-
         raise EagleError(f"lookup must be True, False or an eagle_mlx.LookupSettings "
                          f"(got {type(lookup).__name__}).")
     else:
@@ -120,15 +123,10 @@ def _calibrated(lookup, tuning):
 
 def attach_draft_vocab(head, target, tokenizer, n, data=None) -> None:
     """Make an EAGLE-1 head draft over the n most frequent target tokens."""
-    from .demo import demo_ranking
-    from .draft_vocab import check_size, draft_vocab, token_ranking
-    from .errors import EagleError
-
     if head.kind != "eagle1":
         raise EagleError("draft_vocab applies to EAGLE-1 heads; an EAGLE-3 head drafts over the "
                          "vocabulary it was trained with (its d2t).")
     check_size(target, n)  # before counting tokens for the ranking
-    order = demo_ranking(target) if data is None else None
-    if order is None:
-        order = token_ranking(tokenizer, target.vocab_size, data)
-    head.draft = draft_vocab(target, order, n)
+    order = token_ranking(tokenizer, target.vocab_size, data, load_conversations,
+                          shipped=(RANKINGS,))
+    head.draft = reduced_vocab(target, order, n)

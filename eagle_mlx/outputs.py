@@ -1,4 +1,5 @@
-"""Output paths: checked before any work starts, written atomically, nothing left on failure."""
+"""Output paths: checked before any work starts, written atomically, nothing left on failure;
+and the user's cache folder, where measurements and counts are kept between runs."""
 
 import os
 import shutil
@@ -6,6 +7,16 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import EagleError, reason
+
+CACHE_ENV = "EAGLE_MLX_CACHE"
+
+
+def user_cache(kind: str) -> Path:
+    """The user's cache folder for one kind of entry: `$EAGLE_MLX_CACHE` (default
+    `$XDG_CACHE_HOME/eagle_mlx`, `~/.cache/eagle_mlx`)/kind."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "eagle_mlx")
+    return Path(root).expanduser() / kind
 
 
 def _existing_ancestor(path: Path) -> Path:

@@ -32,7 +32,7 @@ from pathlib import Path
 from .cli import ArgumentParser, UsageError, add_dtype_arg, run_cli, started
 from .errors import EagleError
 
-from .features import FORMAT, INDEX, read_index  # noqa: F401  (the folder's format)
+from .training.features import FORMAT, INDEX, read_index  # noqa: F401  (the folder's format)
 
 # settings that must not change between the runs that fill one folder
 CACHE_LIMIT = 1 << 30  # bytes of freed buffers MLX keeps for reuse during a run
@@ -94,7 +94,7 @@ def history_mask(tokenizer, messages, prompt_ids):
     """Loss mask over a prompt that holds earlier assistant answers: 1 on their tokens
     (found as the template rendered up to each answer and including it); all 0 where the
     template does not render prefixes consistently."""
-    from .data import template_ids
+    from .training.data import template_ids
 
     mask = [0] * len(prompt_ids)
     for j, m in enumerate(messages):
@@ -129,7 +129,7 @@ class Conversation:
         user turn left, or the next one does not fit in max_len with its answer)."""
         if self.turn >= len(self.users):
             return None
-        from .data import template_ids
+        from .training.data import template_ids
 
         messages = self.history + [self.users[self.turn]]
         ids = template_ids(tokenizer, messages, True)
@@ -243,7 +243,7 @@ def _turns(messages):
 
 
 def _main(argv) -> int:
-    from .data import load_conversations
+    from .training.data import load_conversations
     from .outputs import check_out_file
 
     args = build_parser().parse_args(argv)
@@ -261,7 +261,7 @@ def _main(argv) -> int:
     if index is not None:
         for s in index["shards"]:
             done_sources.update(s["sources"])
-    from .target import load_target
+    from .targets.load import load_target
 
     target, tokenizer = load_target(args.model, dtype=args.dtype)
     if not getattr(tokenizer, "chat_template", None):
@@ -301,10 +301,10 @@ def _main(argv) -> int:
     shards = ShardWriter(out, index, args.shard_conversations)
     if args.answers == "data":
         return _record_answers(args, shards, conversations, queue, target, tokenizer, taps)
-    from .batch import BatchGenerator
+    from .decoding.batch import BatchGenerator
     from .model import EagleModel
-    from .speculative import PromptCache
-    from .values import GenerationSettings
+    from .decoding.steps import PromptCache
+    from .decoding.settings import GenerationSettings
 
     import mlx.core as mx
 
@@ -428,7 +428,7 @@ def _record_answers(args, shards, conversations, queue, target, tokenizer, taps)
     import mlx.core as mx
     import numpy as np
     from tqdm import tqdm
-    from .data import render
+    from .training.data import render
 
     bar = tqdm(total=len(queue), desc="conversations", disable=args.quiet)
     stop = _sigterm_interrupts()

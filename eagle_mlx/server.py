@@ -108,7 +108,7 @@ class Engine:
         """Under mlx.launch (model.group set) this is rank 0: every request is sent to the
         other ranks (`follow`), which run the same generation on their shards. max_batch > 1:
         up to that many requests decode at once, continuously batched (`batch.py`)."""
-        from .speculative import PromptCache
+        from .decoding.steps import PromptCache
 
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.max_batch, self.running = max_batch, {}
@@ -179,7 +179,7 @@ class Engine:
 
         group = self.model.group
         share_text(group, json.dumps({"ids": job.ids, "settings": job.settings.asdict()}))
-        from .generation import StopFilter
+        from .decoding.responses import StopFilter
 
         stops, finish, last = StopFilter(job.stop), None, None
         for r in stream_generate(self.model, self.tokenizer, job.ids, prompt_cache=self.cache,
@@ -213,7 +213,7 @@ class Engine:
     def _cache_for(self, ids):
         """The kept prompt cache (of a finished request) sharing the longest prefix with
         `ids`, taken out of the pool while its request runs; a new one where none does."""
-        from .speculative import PromptCache
+        from .decoding.steps import PromptCache
 
         best, most = None, 0
         for pc in self.pool:
@@ -236,8 +236,8 @@ class Engine:
     def _run_batched(self) -> None:
         """Serve the queued jobs continuously batched until `stop`: between cycles, new jobs
         join (their prefill a chunk per cycle), finished and cancelled ones leave."""
-        from .batch import BatchGenerator
-        from .generation import StopFilter
+        from .decoding.batch import BatchGenerator
+        from .decoding.responses import StopFilter
 
         gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
         last, caches = {}, {}
@@ -306,8 +306,8 @@ def follow(model, tokenizer) -> None:
     until it stops."""
     from .distributed import CONTINUE, share_response_signal, share_text
     from .generation import stream_generate
-    from .speculative import PromptCache
-    from .values import GenerationSettings
+    from .decoding.steps import PromptCache
+    from .decoding.settings import GenerationSettings
 
     cache = PromptCache()
     while True:
@@ -419,7 +419,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _parse(self, body: dict, chat: bool):
         from .cli import chat_prompt
-        from .generation import encode_prompt
+        from .decoding.plan import encode_prompt
 
         model = body.get("model")
         if model is not None and model not in (self.engine.model_id, "default"):
@@ -610,7 +610,7 @@ def build_parser() -> ArgumentParser:
 
 def _main(argv) -> int:
     from .cli import UsageError, flag_name, load_from_args
-    from .values import GenerationSettings
+    from .decoding.settings import GenerationSettings
 
     args = build_parser().parse_args(argv)
     if not 0 <= args.port <= 65535:

@@ -36,13 +36,13 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .head_io import export_head, save_head
+from .heads.write import export_head, save_head
 from .cli import ArgumentParser, UsageError, add_dtype_arg, run_cli, started
-from .data import load_conversations, render
+from .training.data import load_conversations, render
 from .errors import EagleError
 from .outputs import atomic_file, check_new_dir, check_writable_dir
-from .heads import Eagle1Head, Eagle3Head, HeadArgs
-from . import ttt
+from .heads.eagle import Eagle1Head, Eagle3Head, HeadArgs
+from .training import ttt
 
 STATE_FILE = "trainer_state.json"
 CHECKPOINT_FILE = "checkpoint.safetensors"
@@ -114,7 +114,7 @@ class ConversationData:
 
     def answer_counts(self, vocab_size: int):
         """How often each token occurs in the training conversations' answers."""
-        from .draft_vocab import count_tokens
+        from .heads.draft_vocab import count_tokens
 
         return count_tokens(self.tokenizer, [self.conversations[i] for i in self.train_ids],
                             vocab_size)
@@ -242,9 +242,9 @@ class Trainer:
 
     def init_from(self, path):
         """Start from the weights of an existing head of this kind for this target."""
-        from .checkpoint import load_head
+        from .heads.read import load_head
 
-        from .target import convert_dtype
+        from .targets.load import convert_dtype
 
         other = convert_dtype(load_head(path, self.target), mx.float32)  # (a quantized head too)
         mine = dict(tree_flatten(self.head.parameters()))
@@ -264,7 +264,7 @@ class Trainer:
         """The loss's vocabulary: the n most frequent answer tokens of the training data
         (`draft_ids`, in id order; `t2d` marks them; `to_draft` maps a target id to its
         place among them), or the target's whole vocabulary (n None: draft_ids None)."""
-        from .draft_vocab import eagle3_mapping
+        from .heads.draft_vocab import eagle3_mapping
 
         self.draft_ids = None
         if n is None:
@@ -279,7 +279,7 @@ class Trainer:
         to_draft[ids] = np.arange(n, dtype=np.int32)
         self.to_draft = mx.array(to_draft)
         if self.kind == "eagle1":  # (EAGLE-3's own lm_head scores its draft vocabulary)
-            from .draft_vocab import lm_head_rows
+            from .heads.draft_vocab import lm_head_rows
 
             self.draft_rows = lm_head_rows(self.target, self.draft_ids).astype(mx.float32)
 
@@ -573,7 +573,7 @@ class Eagle3Trainer(Trainer):
         return config
 
     def make_head(self):
-        from .draft_vocab import lm_head_rows
+        from .heads.draft_vocab import lm_head_rows
 
         head = Eagle3Head(HeadArgs.from_config(self.config, "eagle3", has_d2t=True))
         head.d2t = mx.array(self.d2t)
@@ -738,7 +738,7 @@ def check_paths(args) -> Path:
 def _main(argv):
     import shutil
 
-    from .target import load_target
+    from .targets.load import load_target
 
     args = build_parser().parse_args(argv)
     check_args(args)
@@ -752,11 +752,11 @@ def _main(argv):
         raise EagleError(f"the tokenizer of {args.model} has no chat template, which renders the "
                          "training conversations.")
     if args.kind == "eagle3":
-        from .checkpoint import check_eagle3_target
+        from .heads.read import check_eagle3_target
 
         check_eagle3_target(target, "an EAGLE-3 head", args.model)
     if args.features:
-        from .features import FeatureShards
+        from .training.features import FeatureShards
 
         shards = FeatureShards(args.features, target, args.num_conversations)
         if args.kind == "eagle3" and shards.taps != list(target.eagle3_taps):

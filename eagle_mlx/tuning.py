@@ -9,7 +9,6 @@ a hash of those.
 
 import hashlib
 import json
-import os
 import platform
 from pathlib import Path
 from typing import Optional
@@ -17,15 +16,13 @@ from typing import Optional
 import mlx.core as mx
 
 from .errors import EagleError
+from .outputs import CACHE_ENV, atomic_file, user_cache
 
-CACHE_ENV = "EAGLE_MLX_CACHE"
 WEIGHT_SUFFIXES = (".json", ".safetensors", ".bin", ".gguf")
 
 
 def cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "eagle_mlx")
-    return Path(root).expanduser() / "tuning"
+    return user_cache("tuning")
 
 
 def _files(path: Path) -> list:
@@ -67,8 +64,6 @@ def read_tuning(head_path, target_path, dtype) -> Optional[dict]:
 
 
 def write_tuning(head_path, target_path, dtype, choice: dict) -> Path:
-    from .outputs import atomic_file
-
     f = tuning_path(head_path, target_path, dtype)
     text = json.dumps({"key": _key(head_path, target_path, dtype), "choice": choice},
                       indent=2) + "\n"

@@ -16,10 +16,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import eagle_mlx  # noqa: E402
-from eagle_mlx.batch import batch_generate  # noqa: E402
+from eagle_mlx.generation import batch_generate  # noqa: E402
 from eagle_mlx.benchmark import load_prompts  # noqa: E402
 from eagle_mlx.cli import chat_prompt  # noqa: E402
-from eagle_mlx.values import GenerationSettings  # noqa: E402
+from eagle_mlx.decoding.settings import GenerationSettings  # noqa: E402
 
 
 def tree_settings(spec: str, max_tokens: int) -> GenerationSettings:

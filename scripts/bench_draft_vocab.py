@@ -26,7 +26,7 @@ def main():
     from eagle_mlx.cli import chat_prompt
     from eagle_mlx.demo import demo_head, demo_target
     from eagle_mlx.model import attach_draft_vocab
-    from eagle_mlx.speculative import PhaseTimer, SamplingParams, eagle_steps
+    from eagle_mlx.decoding.steps import PhaseTimer, SamplingParams, eagle_steps
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model")

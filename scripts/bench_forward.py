@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle_mlx.target import Target  # noqa: E402
+from eagle_mlx.targets.target import Target  # noqa: E402
 
 
 def main():

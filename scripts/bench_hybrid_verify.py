@@ -23,7 +23,7 @@ def build(kind: str, a):
     from mlx.utils import tree_map
 
     from eagle_mlx import mlxlm
-    from eagle_mlx.target import Target
+    from eagle_mlx.targets.target import Target
 
     # Qwen3.5-9B's proportions at width H (4096 there): attention 16 heads of 256 and 4 KV
     # heads, linear layers 32 value heads and 16 key heads of 128, MLP 3H
@@ -75,9 +75,9 @@ def verify_curve(target, prefix, sizes, reps=5):
 
 
 def cycle_phases(target, prompt_len, cycles=12):
-    from eagle_mlx.heads import Eagle1Head, HeadArgs
-    from eagle_mlx.profiling import PhaseTimer
-    from eagle_mlx.speculative import SamplingParams, eagle_steps
+    from eagle_mlx.heads.eagle import Eagle1Head, HeadArgs
+    from eagle_mlx.decoding.profiling import PhaseTimer
+    from eagle_mlx.decoding.steps import SamplingParams, eagle_steps
     from eagle_mlx.train import new_head_config
 
     head = Eagle1Head(HeadArgs.from_config(new_head_config(target), "eagle1"))
@@ -94,8 +94,8 @@ def state_bytes():
     import transformers
 
     from eagle_mlx import mlxlm
-    from eagle_mlx.families import LinearAttentionMechanism
-    from eagle_mlx.target import Target
+    from eagle_mlx.targets.families import LinearAttentionMechanism
+    from eagle_mlx.targets.target import Target
 
     out = {}
     for name, cls in (("Qwen3.5-9B", "Qwen3_5TextConfig"), ("Qwen3.5-35B-A3B", "Qwen3_5MoeTextConfig")):

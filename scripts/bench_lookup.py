@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import eagle_mlx  # noqa: E402
 from eagle_mlx.benchmark import load_prompts, run_one  # noqa: E402
 from eagle_mlx.cli import chat_prompt  # noqa: E402
-from eagle_mlx.lookup import LookupSettings  # noqa: E402
+from eagle_mlx.decoding.lookup import LookupSettings  # noqa: E402
 
 
 def main():

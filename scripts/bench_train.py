@@ -42,10 +42,10 @@ def main() -> int:
     if any(not 1 <= u <= MAX_UNROLL for u in a.unroll or []):
         p.error(f"--unroll must be from 1 to {MAX_UNROLL} steps (got {a.unroll}).")
 
-    from eagle_mlx.data import load_conversations
-    from eagle_mlx.features import FeatureShards
+    from eagle_mlx.training.data import load_conversations
+    from eagle_mlx.training.features import FeatureShards
     from eagle_mlx.regen import main as regen_main
-    from eagle_mlx.target import load_target
+    from eagle_mlx.targets.load import load_target
     from eagle_mlx.train import (TRAINERS, ConversationData, FeatureData, build_parser,
                                  check_args)
 

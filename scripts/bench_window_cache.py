@@ -14,7 +14,7 @@ import time
 
 import mlx.core as mx
 
-from eagle_mlx.cache import TreeKVCache, WindowKVCache
+from eagle_mlx.targets.cache import TreeKVCache, WindowKVCache
 
 
 def run(cache, q_heads, kv_heads, dim, window, context, steps, tree, dtype):

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM
 
     import eagle_mlx
-    from eagle_mlx.heads import Eagle1Head, HeadArgs
+    from eagle_mlx.heads.eagle import Eagle1Head, HeadArgs
     from eagle_mlx.train import new_head_config
 
     path = a.model or gemma3_file()

@@ -38,12 +38,12 @@ def main():
     args = p.parse_args()
 
     from eagle_mlx.benchmark import depth_acceptance, load_prompts, parse_trees, run_one
-    from eagle_mlx.checkpoint import load_head
+    from eagle_mlx.heads.read import load_head
     from eagle_mlx.cli import chat_prompt
     from eagle_mlx.demo import demo_draft_vocab, demo_target
     from eagle_mlx.errors import EagleError
     from eagle_mlx.model import EagleModel, attach_draft_vocab
-    from eagle_mlx.target import load_target
+    from eagle_mlx.targets.load import load_target
 
     trees = parse_trees(args.trees)
     for h in args.heads:

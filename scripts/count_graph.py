@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import re, tempfile, mlx.core as mx, eagle_mlx
 from eagle_mlx.demo import demo_head, demo_target
-from eagle_mlx.tree import draft_dynamic
-from eagle_mlx.accept import accept_greedy
+from eagle_mlx.decoding.tree import draft_dynamic
+from eagle_mlx.decoding.accept import accept_greedy
 n = int(sys.argv[1])
 t, h = str(demo_target()), str(demo_head("eagle1"))  # the demo's EAGLE-1 head
 model, tok = eagle_mlx.load(t, eagle=h, draft_vocab=n or None)

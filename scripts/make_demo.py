@@ -59,7 +59,7 @@ def describe_data(data, features=None, limit=None) -> str:
 def describe_features(folders, limit=None) -> list:
     """What the first `limit` conversations of regen feature folders are, folder by folder
     (the trainer's --features order): count, tokens, and which ShareGPT conversations."""
-    from eagle_mlx.features import FeatureShards
+    from eagle_mlx.training.features import FeatureShards
 
     shards = FeatureShards(folders, limit=limit)
     out = []
@@ -163,23 +163,26 @@ def trainer_limit(train_args: str):
 
 
 def write_ranking():
-    """eagle_mlx/demo/token_ranking.npy: the demo target's tokens from most to least frequent
-    in ShareGPT answers, counted with its tokenizer (what --draft-vocab N keeps the top of)."""
+    """eagle_mlx/demo/draft_vocab/<key>.npy: the demo target's tokens from most to least
+    frequent in ShareGPT answers, counted with its tokenizer (what --draft-vocab N keeps the
+    top of), under the name the draft vocabulary's cache looks it up by."""
     import numpy as np
 
-    from eagle_mlx.data import load_conversations
-    from eagle_mlx.demo import RANKING_FILE, demo_target
-    from eagle_mlx.draft_vocab import COUNT_CONVERSATIONS, count_tokens, ranking
-    from eagle_mlx.target import load_target
+    from eagle_mlx.training.data import load_conversations
+    from eagle_mlx.demo import RANKINGS, demo_target
+    from eagle_mlx.heads.draft_vocab import COUNT_CONVERSATIONS, count_tokens, ranking, ranking_file
+    from eagle_mlx.targets.load import load_target
 
     target, tokenizer = load_target(str(demo_target()))
     counts = count_tokens(tokenizer, load_conversations(None, COUNT_CONVERSATIONS),
                           target.vocab_size)
     order = ranking(counts)
-    np.save(RANKING_FILE, order.astype(np.uint16))
+    out = RANKINGS / ranking_file(tokenizer, target.vocab_size, None)
+    out.parent.mkdir(exist_ok=True)
+    np.save(out, order.astype(np.uint16))
     covered = ", ".join(f"{n}: {counts[order[:n]].sum() / counts.sum():.1%}"
                         for n in (4096, 8192, 16384, 32768))
-    print(f"wrote {RANKING_FILE} ({counts.sum()} answer tokens counted; share of them the N "
+    print(f"wrote {out} ({counts.sum()} answer tokens counted; share of them the N "
           f"most frequent cover: {covered})")
 
 
@@ -200,9 +203,9 @@ def previous_segments(work: Path) -> list:
 
 
 def ship(work: Path, target: Path, kind: str, kind_args: list):
-    from eagle_mlx.checkpoint import load_head
-    from eagle_mlx.head_io import save_head
-    from eagle_mlx.target import load_target
+    from eagle_mlx.heads.read import load_head
+    from eagle_mlx.heads.write import save_head
+    from eagle_mlx.targets.load import load_target
 
     state = json.loads((work / "trainer_state.json").read_text())
     rows = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()]

@@ -10,9 +10,9 @@ import pytest
 
 import eagle_mlx
 from eagle_mlx import BatchGenerator, batch_generate
-from eagle_mlx.engine import Engine, SamplingParams
+from eagle_mlx.decoding.engine import Engine, SamplingParams
 from eagle_mlx.errors import EagleError
-from eagle_mlx.values import GenerationSettings
+from eagle_mlx.decoding.settings import GenerationSettings
 from tiny import make_eagle_head, make_hf_model
 
 FAMILIES = ["llama2_mha", "gemma3_swa", "gpt_oss_swa", "qwen3_5"]
@@ -141,8 +141,8 @@ def test_batch_caches_equal_each_sequence_alone(pairs, name):
     positions both hold; a linear-attention layer's window and state) equals the cache
     the sequence's own engine keeps, cycle by cycle, with three sequences joining (one
     prefilled in chunks over several steps) and one leaving early."""
-    from eagle_mlx.drafters import EagleDrafter
-    from eagle_mlx.lookup import LookupDrafter, MergedDrafter
+    from eagle_mlx.decoding.drafters import EagleDrafter
+    from eagle_mlx.decoding.lookup import LookupDrafter, MergedDrafter
 
     t, h = pairs(name)
     model, tok = eagle_mlx.load(str(t), eagle=str(h), lookup=True)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from eagle_mlx import mlxlm
-from eagle_mlx.cache import RaggedKVCache, TreeKVCache
-from eagle_mlx.layers import apply_rope
+from eagle_mlx.targets.cache import RaggedKVCache, TreeKVCache
+from eagle_mlx.targets.layers import apply_rope
 from test_target import random_tree
 
 ROPES = {

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import eagle_mlx
 from eagle_mlx import mlxlm
-from eagle_mlx.target import SUPPORTED_MODEL_TYPES
+from eagle_mlx.targets.target import SUPPORTED_MODEL_TYPES
 
 PACKAGE = Path(eagle_mlx.__file__).parent
 

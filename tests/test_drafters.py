@@ -8,9 +8,9 @@ import mlx.core as mx
 import pytest
 
 import eagle_mlx
-from eagle_mlx.drafters import Drafter
-from eagle_mlx.speculative import PromptCache, SamplingParams, plain_steps, speculative_steps
-from eagle_mlx.tree import tree_from_parents
+from eagle_mlx.decoding.drafters import Drafter
+from eagle_mlx.decoding.steps import PromptCache, SamplingParams, plain_steps, speculative_steps
+from eagle_mlx.decoding.tree import tree_from_parents
 from tiny import make_hf_model
 
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import eagle_mlx
-from eagle_mlx import EagleError, engine
-from eagle_mlx.speculative import SamplingParams, eagle_steps
-from eagle_mlx.tree import MC_SIM_7B_63, StaticTree, Tree, retrieve_indices
+from eagle_mlx import EagleError
+from eagle_mlx.decoding import engine
+from eagle_mlx.decoding.steps import SamplingParams, eagle_steps
+from eagle_mlx.decoding.tree import MC_SIM_7B_63, StaticTree, Tree, retrieve_indices
 from tiny import ORACLE, make_eagle_head, make_hf_model, oracle_reference, requires_oracle
 
 
@@ -83,7 +84,7 @@ def test_official_parity(case):
 def test_official_parity_uncompiled(group, monkeypatch):
     """The same operations run one kernel each (EAGLE_MLX_COMPILE=0): the official output
     still, tree for tree (the first run of each kind; the compiled path is checked above)."""
-    from eagle_mlx import compiled
+    from eagle_mlx.decoding import compiled
 
     monkeypatch.setattr(compiled, "ENABLED", False)
     test_official_parity(("llama", group, 0, 0))
@@ -185,7 +186,7 @@ def test_greedy_equals_plain_on_the_oracle_pair_with_many_prompts(tree):
 def _wrong_residual(tree, logprobs):
     """A broken rule for the negative control: the next token after a rejection is drawn
     from p itself instead of p with the rejected children zeroed."""
-    best, _ = eagle_mlx.accept.accept_sampling(tree, logprobs)
+    best, _ = eagle_mlx.decoding.accept.accept_sampling(tree, logprobs)
     return best, mx.random.categorical(logprobs[best])
 
 
@@ -215,7 +216,7 @@ def _sample_counts(model, prompt, runs, n_tokens, sampling, tree):
 
 def _exact_distribution(model, prompt, n_tokens, sampling):
     """P(x1..xn) enumerated with mlx-lm's own forward and the same temperature/top-k/top-p."""
-    from eagle_mlx.accept import process_logits
+    from eagle_mlx.decoding.accept import process_logits
 
     V = model.target.vocab_size
     seqs = list(itertools.product(range(V), repeat=n_tokens - 1))
@@ -254,7 +255,7 @@ TREE_PARENTS = [0, 0, 0, 0, 1, 1, 2]
 
 
 def _fixed_tree():
-    from eagle_mlx.tree import Tree, ancestors
+    from eagle_mlx.decoding.tree import Tree, ancestors
 
     parents = mx.array(TREE_PARENTS)
     anc = ancestors(parents, 3)
@@ -297,7 +298,7 @@ def _draw(rule, tree, logprobs, runs):
 
 
 def _fixed_logprobs(sampling):
-    from eagle_mlx.accept import process_logits
+    from eagle_mlx.decoding.accept import process_logits
 
     logits = mx.array(np.random.default_rng(11).normal(0, 1.5, (len(TREE_TOKENS), 6)),
                       dtype=mx.float32)
@@ -309,7 +310,7 @@ def _fixed_logprobs(sampling):
 def test_acceptance_sampling_is_lossless_on_a_fixed_tree(sampling, name):
     """accept_sampling's output (accepted path + next token) has exactly the distribution
     of sampling the target token by token (chi-square against exact enumeration)."""
-    from eagle_mlx.accept import accept_sampling
+    from eagle_mlx.decoding.accept import accept_sampling
 
     logprobs = _fixed_logprobs(sampling)
     runs = 6000
@@ -337,7 +338,7 @@ def test_sampling_through_the_engine_is_lossless(small_vocab_pair, draft):
     a sampled generation have the target's exactly enumerated distribution. The Llama head
     drafts over a reduced vocabulary (4 of the 8 tokens, ranked out of id order), so drafted
     tokens outside it can only come from the target, and must still come at their rate."""
-    from eagle_mlx.draft_vocab import draft_vocab
+    from eagle_mlx.heads.draft_vocab import draft_vocab
 
     target_dir, head_dir = small_vocab_pair
     model, _ = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
@@ -536,7 +537,7 @@ def test_sampling_follows_mlx_lm_order(temp, top_p, min_p, top_k):
 def test_prompt_cache_prefills_only_what_changed(pair, monkeypatch, speculate):
     """A conversation's next turn through a PromptCache: the output equals a fresh run on
     the whole prompt, and the target runs only the tokens after the shared prefix."""
-    from eagle_mlx.target import Target
+    from eagle_mlx.targets.target import Target
 
     _, model, tok = pair
     fed = []  # tokens per target forward (the tree forward, or mlx-lm's for plain decoding)
@@ -603,8 +604,8 @@ def test_draft_vocab_ranks_answer_tokens_by_frequency(tmp_path, small_vocab_pair
     independently with collections.Counter), mapped both ways."""
     from collections import Counter
 
-    from eagle_mlx.data import load_conversations
-    from eagle_mlx.draft_vocab import count_tokens, draft_vocab, ranking
+    from eagle_mlx.training.data import load_conversations
+    from eagle_mlx.heads.draft_vocab import count_tokens, draft_vocab, ranking
 
     target_dir, _ = small_vocab_pair
     model, tok = eagle_mlx.load(str(target_dir))
@@ -632,7 +633,7 @@ def test_draft_vocab_ranks_answer_tokens_by_frequency(tmp_path, small_vocab_pair
 
 @pytest.mark.parametrize("pair", ["llama-eagle1", "llama4bit-eagle1", "qwen2-eagle1-qkv-bias"])
 def test_greedy_with_a_reduced_draft_vocab_equals_plain(random_pairs, tmp_path, pair):
-    from eagle_mlx.draft_vocab import draft_vocab
+    from eagle_mlx.heads.draft_vocab import draft_vocab
 
     target_dir, head_dir = random_pairs[pair]
     model, tok = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
@@ -659,7 +660,7 @@ def test_draft_vocab_refusals(random_pairs):
 
 def test_eagle3_mapping_keeps_the_most_frequent_ids_both_ways():
     """d2t/t2d from counts (the published EAGLE-3 layout) against an exact enumeration."""
-    from eagle_mlx.draft_vocab import eagle3_mapping
+    from eagle_mlx.heads.draft_vocab import eagle3_mapping
 
     rng = np.random.default_rng(5)
     counts = rng.integers(0, 50, 300)

@@ -168,7 +168,7 @@ def test_k_quant_tensors_against_the_gguf_package(tmp_path):
     """Q4_K and Q5_K stay quantized (4- and 5-bit affine, groups of 32) and dequantize to
     exactly the gguf package's values; Q2_K, Q3_K and Q6_K (groups of 16) read as their
     exact values, or quantized to 8 bits within half a step of them."""
-    from eagle_mlx.gguf import read_header, read_tensor
+    from eagle_mlx.targets.gguf import read_header, read_tensor
 
     T = gguf.GGMLQuantizationType
     kinds = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -403,7 +403,7 @@ def test_gpt4o_pre_tokenizer_splits_as_o200k(tmp_path, hf_folders, gpt2_vocab):
                       pre="gpt-4o")
     _, ours = load_target(str(path))
     pre = ours._tokenizer.backend_tokenizer.pre_tokenizer
-    from eagle_mlx.gguf import _bytes_to_unicode
+    from eagle_mlx.targets.gguf import _bytes_to_unicode
 
     unspell = {v: k for k, v in _bytes_to_unicode().items()}  # ByteLevel spells the bytes
     for s in sample_strings() + ["I'M HERE and you're THERE", "CamelCase wordsAndMore", "a/b/\n"]:

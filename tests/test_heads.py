@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from eagle_mlx import EagleError, load_target
-from eagle_mlx.checkpoint import load_head
+from eagle_mlx.heads.read import load_head
 from eagle_mlx.convert import main as convert_main
 from tiny import ORACLE, ROOT, oracle_reference, requires_oracle
 

@@ -8,7 +8,7 @@ import pytest
 import eagle_mlx
 from conftest import HYBRID_TARGETS
 from eagle_mlx import load_target
-from eagle_mlx.cache import RecurrentCache
+from eagle_mlx.targets.cache import RecurrentCache
 from test_target import random_tree, tree_forward
 from test_windows import hf_greedy, hf_logits, hf_model
 from tiny import make_eagle_head, make_hf_model
@@ -140,7 +140,7 @@ def test_prompt_cache_second_turn_equals_a_fresh_run(hybrid_pairs, speculate):
     """A second turn that extends the first (prompt + answer) continues from the recurrent
     states the first left; one that differs inside the first starts over; both equal
     transformers on the whole prompt."""
-    from eagle_mlx.speculative import PromptCache
+    from eagle_mlx.decoding.steps import PromptCache
 
     target_dir, head_dir = hybrid_pairs["qwen3_5-eagle1"]
     model, tok = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
@@ -169,7 +169,7 @@ def test_a_tree_beyond_the_state_memory_bound(hybrid_pairs, monkeypatch):
     """Each node of a hybrid's tree keeps a recurrent state per linear layer: a tree asked
     for beyond the bound is refused in one sentence naming it; the default tree is cut to
     it (and still decodes as transformers)."""
-    import eagle_mlx.target as target_module
+    import eagle_mlx.targets.target as target_module
     from eagle_mlx import EagleError
 
     target_dir, head_dir = hybrid_pairs["qwen3_5-eagle1"]
@@ -185,7 +185,7 @@ def test_a_tree_beyond_the_state_memory_bound(hybrid_pairs, monkeypatch):
                                        depth=4, draft_top_k=4))
     message = str(e.value)
     assert "30 nodes" in message and "at most 10 nodes" in message and "\n" not in message
-    from eagle_mlx.generation import tree_plan
+    from eagle_mlx.decoding.plan import tree_plan
 
     assert tree_plan(model)["total_tokens"] == 10  # the default tree, cut to the bound
     prompt = [5, 6, 7, 9, 11]

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import eagle_mlx
-from eagle_mlx.checkpoint import load_head
+from eagle_mlx.heads.read import load_head
 from eagle_mlx.errors import EagleError
-from eagle_mlx.target import load_target
-from eagle_mlx.tree import draft_dynamic
+from eagle_mlx.targets.load import load_target
+from eagle_mlx.decoding.tree import draft_dynamic
 from test_windows import greedy_against_transformers
 from tiny import make_eagle_head, make_hf_model
 

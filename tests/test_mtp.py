@@ -11,9 +11,9 @@ import pytest
 
 import eagle_mlx
 from conftest import HYBRID_TARGETS
-from eagle_mlx.checkpoint import load_head
+from eagle_mlx.heads.read import load_head
 from eagle_mlx.errors import EagleError
-from eagle_mlx.target import load_target
+from eagle_mlx.targets.load import load_target
 from test_windows import chi_square_against_transformers, greedy_against_transformers, hf_model
 from tiny import make_hf_model
 

@@ -252,7 +252,7 @@ def test_auto_dtype_dequantizes_a_quantized_moe_to_float32_exactly(tiny_dir, tmp
     import mlx.nn as nn
     from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
-    from eagle_mlx.target import _config_overrides, read_config
+    from eagle_mlx.targets.load import _config_overrides, read_config
 
     # mlx-lm quantizes and saves (its convert reads the config keys transformers 5 renamed
     # only through the translation the loader applies)

@@ -9,7 +9,7 @@ import pytest
 
 from eagle_mlx import EagleError, load_head, load_target
 from eagle_mlx.convert import main as convert_main
-from eagle_mlx.data import load_conversations
+from eagle_mlx.training.data import load_conversations
 from eagle_mlx.train import main as train_main
 from tiny import make_hf_model
 
@@ -79,8 +79,8 @@ def test_eagle1_unroll_step_k_is_the_engines_draft_at_depth_k(setup, tmp_path):
     """`--unroll` for an EAGLE-1 head: the unrolled training forward (its own outputs fed
     back) predicts, step by step, the greedy chain the engine drafts (top-1 at each level)
     from the last prompt position."""
-    from eagle_mlx import ttt
-    from eagle_mlx.tree import draft_dynamic
+    from eagle_mlx.training import ttt
+    from eagle_mlx.decoding.tree import draft_dynamic
     from tiny import make_eagle_head
 
     _, target_dir, _ = setup
@@ -212,7 +212,7 @@ def test_a_run_starts_from_an_existing_head_and_counts_its_tokens(setup):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from eagle_mlx.head_io import save_head
+    from eagle_mlx.heads.write import save_head
 
     quantized = root / "seg1-q8"
     save_head(load_head(str(first / "head"), t),

@@ -13,8 +13,8 @@ import eagle_mlx
 from eagle_mlx import load_head, load_target
 from eagle_mlx.convert import main as convert_main
 from eagle_mlx.train import main as train_main
-from eagle_mlx.tree import draft_dynamic
-from eagle_mlx import ttt
+from eagle_mlx.decoding.tree import draft_dynamic
+from eagle_mlx.training import ttt
 from tiny import make_eagle_head, make_hf_model
 
 # the answers draw on a few words far more often than on the rest: the draft vocabulary

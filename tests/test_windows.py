@@ -12,7 +12,7 @@ import pytest
 import eagle_mlx
 from conftest import WINDOWED_TARGETS
 from eagle_mlx import EagleError, load_target
-from eagle_mlx.speculative import PromptCache, SamplingParams, eagle_steps
+from eagle_mlx.decoding.steps import PromptCache, SamplingParams, eagle_steps
 from test_target import random_tree, tree_forward
 from tiny import make_eagle_head, make_hf_model
 
@@ -195,7 +195,7 @@ def chi_square_against_transformers(target_dir, head_dir, prompt, runs=1500, n_t
     against transformers' logits enumerated exactly."""
     from scipy.stats import chi2
 
-    from eagle_mlx.accept import process_logits
+    from eagle_mlx.decoding.accept import process_logits
 
     model, _ = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
     vocab = model.target.vocab_size
@@ -400,7 +400,7 @@ class _ForeknowingDrafter:
         state["seen"] = min(state["seen"], length)
 
     def propose(self, state, features, tokens, root):
-        from eagle_mlx.tree import tree_from_parents
+        from eagle_mlx.decoding.tree import tree_from_parents
 
         state["seen"] += tokens.shape[0]
         at = state["seen"]  # the root is sequence[at]
@@ -427,7 +427,7 @@ def test_long_accepted_paths_cross_the_windows_exactly(tiny_dir, name):
 def foreknown_decoding(folder, prompt_len: int, n: int, seed: int) -> None:
     """Greedy speculative decoding with `_ForeknowingDrafter` (trees up to 6 levels) equals
     transformers' greedy output, and cycles accepted 5-token paths."""
-    from eagle_mlx.speculative import speculative_steps
+    from eagle_mlx.decoding.steps import speculative_steps
 
     target, _ = load_target(str(folder))
     prompt = np.random.default_rng(5).integers(3, target.vocab_size, prompt_len).tolist()

@@ -7,30 +7,16 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
-import mlx.core as mx
 import numpy as np
 
-from .errors import EagleError
+from ..errors import check, is_int
 from .tree import StaticTree
 
 
-DTYPE_CHOICES = ("auto", "stored", "float32", "float16", "bfloat16")  # weights at load time
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}  # casts
-
-
-def _check(ok: bool, message: str, param: Optional[str] = None) -> None:
-    if not ok:
-        e = EagleError(message)
-        e.param = param  # the parameter at fault, for callers that report it apart
-        raise e
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _is_real(x) -> bool:
-    return (_is_int(x) or isinstance(x, (float, np.floating))) and math.isfinite(x)
+    return (is_int(x) or isinstance(x, (float, np.floating))) and math.isfinite(x)
 
 
 # Upper bounds on the tree, each with its reason
@@ -51,29 +37,29 @@ def check_values(max_tokens=256, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=N
     """Check sampling and tree values before anything is loaded: EagleError naming the
     parameter (`name` turns a parameter into the flag a command-line tool calls it)."""
     def need(ok, param, what, value):
-        _check(ok, f"{name(param)} must be {what} (got {value!r}).", param)
+        check(ok, f"{name(param)} must be {what} (got {value!r}).", param)
 
-    need(_is_int(max_tokens) and max_tokens >= 1, "max_tokens", "a whole number of at least 1",
+    need(is_int(max_tokens) and max_tokens >= 1, "max_tokens", "a whole number of at least 1",
          max_tokens)
     need(_is_real(temp) and temp >= 0, "temp", "0 (greedy) or a positive finite number", temp)
     need(_is_real(top_p) and 0 < top_p <= 1, "top_p", "a number in (0, 1]", top_p)
     need(_is_real(min_p) and 0 <= min_p <= 1, "min_p", "a number in [0, 1] (0: off)", min_p)
-    need(_is_int(top_k) and top_k >= 0, "top_k", "0 (off) or a positive whole number", top_k)
-    need(seed is None or (_is_int(seed) and 0 <= seed <= MAX_SEED), "seed",
+    need(is_int(top_k) and top_k >= 0, "top_k", "0 (off) or a positive whole number", top_k)
+    need(seed is None or (is_int(seed) and 0 <= seed <= MAX_SEED), "seed",
          "a whole number from 0 to 2**64 - 1", seed)
-    need(max_context is None or (_is_int(max_context) and max_context >= 2), "max_context",
+    need(max_context is None or (is_int(max_context) and max_context >= 2), "max_context",
          "a whole number of at least 2", max_context)
-    need(draft_top_k is None or (_is_int(draft_top_k) and 1 <= draft_top_k <= MAX_DRAFT_TOP_K),
+    need(draft_top_k is None or (is_int(draft_top_k) and 1 <= draft_top_k <= MAX_DRAFT_TOP_K),
          "draft_top_k", f"from 1 to {MAX_DRAFT_TOP_K} (each draft level ranks draft_top_k "
          "squared candidates)", draft_top_k)
-    need(depth is None or (_is_int(depth) and 1 <= depth <= MAX_DEPTH), "depth",
+    need(depth is None or (is_int(depth) and 1 <= depth <= MAX_DEPTH), "depth",
          f"from 1 to {MAX_DEPTH} (each level costs a head forward every cycle)", depth)
-    need(total_tokens is None or (_is_int(total_tokens) and 2 <= total_tokens <= MAX_TREE_NODES),
+    need(total_tokens is None or (is_int(total_tokens) and 2 <= total_tokens <= MAX_TREE_NODES),
          "total_tokens", f"from 2 to {MAX_TREE_NODES} (the verify pass attends between every "
          "pair of tree nodes)", total_tokens)
     if tree_choices is not None:
         paths_ok = (isinstance(tree_choices, (list, tuple)) and len(tree_choices) > 0 and all(
-            isinstance(c, (list, tuple)) and len(c) > 0 and all(_is_int(r) and r >= 0 for r in c)
+            isinstance(c, (list, tuple)) and len(c) > 0 and all(is_int(r) and r >= 0 for r in c)
             for c in tree_choices))
         need(paths_ok, "tree_choices", "a non-empty list of paths of child ranks such as "
              "[[0], [1], [0, 0]]", tree_choices)
@@ -82,7 +68,7 @@ def check_values(max_tokens=256, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=N
         try:
             StaticTree(tree_choices, draft_top_k or static_top_k(tree_choices))
         except ValueError as e:
-            _check(False, f"{name('tree_choices')}: {e}.", "tree_choices")
+            check(False, f"{name('tree_choices')}: {e}.", "tree_choices")
 
 
 @dataclass(frozen=True)
@@ -110,7 +96,7 @@ class GenerationSettings:
         check_values(self.max_tokens, self.temp, self.top_p, self.top_k, self.min_p, self.seed,
                      self.total_tokens, self.depth, self.draft_top_k, self.tree_choices,
                      self.max_context, name=name)
-        _check(self.speculate is None or isinstance(self.speculate, bool),
+        check(self.speculate is None or isinstance(self.speculate, bool),
                f"{name('speculate')} must be None, True or False (got {self.speculate!r}).",
                "speculate")
         return self

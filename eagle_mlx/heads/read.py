@@ -15,10 +15,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .errors import EagleError
-from .heads import HEAD_CLASSES, HeadArgs
-from .hub import resolve
-from .target import read_config
+from ..errors import EagleError
+from .eagle import HEAD_CLASSES, HeadArgs
+from ..hub import resolve
+from ..targets.load import read_config
 from .torch_pickle import load_torch_checkpoint
 
 FORMAT_VERSION = 1
@@ -50,7 +50,7 @@ def detect_kind(weights: Dict[str, mx.array], path: Path) -> str:
     )
 
 
-def _quantize_predicate(group_size: int, weights: Optional[dict] = None):
+def quantize_predicate(group_size: int, weights: Optional[dict] = None):
     def predicate(path, module):
         if not isinstance(module, nn.Linear):
             return False
@@ -164,7 +164,7 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
     quant = config.get("quantization")
     if quant:
         nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
-                    class_predicate=_quantize_predicate(quant["group_size"], weights))
+                    class_predicate=quantize_predicate(quant["group_size"], weights))
     expected = dict(tree_flatten(head.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))

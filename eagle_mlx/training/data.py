@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from .errors import EagleError
+from ..errors import EagleError
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}

@@ -21,9 +21,9 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import mlxlm
-from .cache import HeadCache, TreeKVCache
-from .layers import attention
+from .. import mlxlm
+from ..targets.cache import HeadCache, TreeKVCache
+from ..targets.layers import attention
 
 
 @dataclass

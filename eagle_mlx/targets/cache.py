@@ -6,7 +6,7 @@ window of the latest positions plus room for what is appended next (`WindowKVCac
 
 import mlx.core as mx
 
-from .mlxlm import ArraysCache, KVCache, create_causal_mask
+from ..mlxlm import ArraysCache, KVCache, create_causal_mask
 
 
 class TreeKVCache(KVCache):
@@ -452,3 +452,14 @@ class BatchRecurrentCache:
 
     def arrays(self):
         return () if self.states is None else (self.windows, self.states)
+
+
+class BatchHeadCache:
+    """A batch of draft heads' caches, one `RaggedKVCache` per head layer (rows aligned
+    with the batch's rows): what `draft_dynamic_batch` drafts against."""
+
+    def __init__(self, layers: int):
+        self.layers = [RaggedKVCache() for _ in range(layers)]
+
+    def arrays(self):
+        return tuple(a for c in self.layers for a in c.arrays())

@@ -22,19 +22,23 @@ So a sequence's tokens are those of `stream_generate` with the same settings: gr
 the same tokens; sampling, the target's distribution, and with a seed the same draws.
 """
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence as Seq, Tuple, Union
+from typing import Iterator, List, Optional, Sequence as Seq, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
 
+from ..errors import check, is_int
+from ..targets.cache import BatchHeadCache, HeadCache
 from .drafters import EagleDrafter
 from .engine import Engine, State, Step, Verified, generation_stream
 from .lookup import MergedDrafter
-from .tree import Tree
-from .values import GenerationSettings, _check, _is_int
+from .plan import prepare
+from .responses import responses
+from .settings import GenerationSettings
+from .steps import PromptCache
+from .tree import Tree, draft_dynamic_batch
 
 BATCH_PREFILL_CHUNK = 512  # prompt tokens a step prefills while a batch decodes
 DEFAULT_MAX_BATCH = 8
@@ -84,11 +88,11 @@ class BatchGenerator:
                  prefill_chunk: int = BATCH_PREFILL_CHUNK, taps: Optional[Seq[int]] = None):
         """taps: the target layers whose inputs every forward returns (default: the head's;
         what `add(record=...)` records besides the post-norm hidden state)."""
-        _check(hasattr(model, "target") and hasattr(model, "head"),
+        check(hasattr(model, "target") and hasattr(model, "head"),
                "model must be the EagleModel that eagle_mlx.load returns.")
-        _check(_is_int(max_batch) and max_batch >= 1,
+        check(is_int(max_batch) and max_batch >= 1,
                f"max_batch must be a whole number of at least 1 (got {max_batch!r}).")
-        _check(getattr(model, "group", None) is None,
+        check(getattr(model, "group", None) is None,
                "batched generation runs on one machine; it does not shard over mx.distributed.")
         self.model, self.tokenizer, self.target = model, tokenizer, model.target
         self.max_batch, self.prefill_chunk = int(max_batch), int(prefill_chunk)
@@ -100,7 +104,7 @@ class BatchGenerator:
         head = model.head
         self.taps = tuple(head.feature_taps(self.target) or ()) if head is not None else ()
         if taps is not None:
-            _check(head is None or not self.taps or tuple(taps) == self.taps,
+            check(head is None or not self.taps or tuple(taps) == self.taps,
                    "taps must be the head's own taps where the head reads taps.")
             self.taps = tuple(taps)
         # the head drafts every row's dynamic tree in one pass per level where its layers
@@ -125,20 +129,17 @@ class BatchGenerator:
         when it leaves the batch (the next turn of a conversation reuses it).
         record: `Engine.recorder` for this sequence — called with the target's features of
         every position it feeds (prefill chunks, then each cycle's kept nodes)."""
-        from .generation import _responses, prepare
-        from .speculative import PromptCache
-
-        _check(prompt_cache is None or isinstance(prompt_cache, PromptCache),
+        check(prompt_cache is None or isinstance(prompt_cache, PromptCache),
                "prompt_cache must be an eagle_mlx.PromptCache.")
         if settings is None:
             settings = GenerationSettings(**kwargs)
         else:
-            _check(not kwargs, "give the settings either as a GenerationSettings or as keyword "
+            check(not kwargs, "give the settings either as a GenerationSettings or as keyword "
                                "arguments, not both.")
         run = prepare(self.model, self.tokenizer, prompt, settings)
         self._uid += 1
         seq = _Sequence(self._uid, run.ids, settings, prompt_cache=prompt_cache, record=record)
-        seq.responses = _responses(self.tokenizer, run.ids, self._pull(seq), settings.max_tokens,
+        seq.responses = responses(self.tokenizer, run.ids, self._pull(seq), settings.max_tokens,
                                    reset_peak=False)
         self.waiting.append(seq)
         return seq.uid
@@ -146,8 +147,6 @@ class BatchGenerator:
     def _start(self, seq: _Sequence, batch: int) -> None:
         """A sequence's drafter, sampling and state as it joins a batch of `batch`: the
         benchmark's choice for that size (where it measured batches) picks the tree."""
-        from .generation import prepare
-
         run = prepare(self.model, self.tokenizer, seq.ids, seq.settings, batch=batch)
         seq.plain = run.drafter is None
         drafter = RootDrafter() if seq.plain else run.drafter
@@ -197,8 +196,6 @@ class BatchGenerator:
     @staticmethod
     def _head_layers(seq: _Sequence):
         """The caches of a sequence's head state, one per head layer (None: no head)."""
-        from .cache import HeadCache
-
         d = seq.engine.drafter
         state = seq.state.drafter
         if isinstance(d, MergedDrafter):
@@ -209,8 +206,6 @@ class BatchGenerator:
 
     def _head_in(self, seq: _Sequence) -> None:
         if self.head_caches is None:
-            from .tree import BatchHeadCache
-
             self.head_caches = BatchHeadCache(getattr(self.model.head.args, "num_layers", 1))
             for _ in self.active:
                 for c in self.head_caches.layers:
@@ -235,8 +230,6 @@ class BatchGenerator:
     def _draft(self, rows, speculative) -> List[Tree]:
         """Every row's tree: the head's dynamic trees in one batched pass per (depth, top-k)
         where the head's caches live in the batch, other drafters row by row."""
-        from .tree import draft_dynamic_batch
-
         trees = [None] * len(rows)
         groups = {}
         for b, (s, spec) in enumerate(zip(rows, speculative)):
@@ -385,89 +378,3 @@ class BatchGenerator:
         if len(keep) != len(rows):
             self._keep_rows(keep)
         return out
-
-
-@dataclass
-class BatchResult:
-    """One sequence of a `batch_generate`: its text, tokens and statistics."""
-
-    text: str
-    tokens: List[int]
-    finish_reason: str
-    prompt_tokens: int
-    generation_tokens: int
-    mean_accept_length: float
-    target_forwards: int
-    accept_lengths: List[int] = field(default_factory=list, repr=False)
-
-
-@dataclass
-class BatchResponse:
-    """mlx-lm's `batch_generate` result: the texts in prompt order, and statistics."""
-
-    texts: List[str]
-    stats: Dict[str, float]
-    results: List[BatchResult]
-
-
-def batch_generate(model, tokenizer, prompts: Seq[Union[str, Seq[int]]],
-                   max_tokens: Union[int, Seq[int]] = 128, max_batch: Optional[int] = None,
-                   settings: Optional[Seq[GenerationSettings]] = None,
-                   stop: Optional[Seq[Seq[str]]] = None, verbose: bool = False,
-                   **kwargs) -> BatchResponse:
-    """Generate for every prompt, continuously batched (at most `max_batch` at once;
-    default: all of them up to DEFAULT_MAX_BATCH); one result per prompt, in order.
-
-    max_tokens: one for all or one per prompt. settings: one GenerationSettings per prompt
-    (temperatures, seeds, trees ...), or stream_generate's keyword arguments for all.
-    stop: per prompt, strings that end its text (the text is cut before the first)."""
-    from .generation import StopFilter
-
-    _check(isinstance(prompts, (list, tuple)) and len(prompts) > 0,
-           "prompts must be a non-empty list of prompts.")
-    n = len(prompts)
-    if settings is None:
-        per_max = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * n
-        _check(len(per_max) == n, f"max_tokens has {len(per_max)} values for {n} prompts.")
-        settings = [GenerationSettings(max_tokens=m, **kwargs) for m in per_max]
-    else:
-        _check(not kwargs, "give the settings either per prompt (settings=) or as keyword "
-                           "arguments, not both.")
-        _check(len(settings) == n, f"settings has {len(settings)} entries for {n} prompts.")
-    stop = [[] for _ in range(n)] if stop is None else [list(s) for s in stop]
-    _check(len(stop) == n, f"stop has {len(stop)} entries for {n} prompts.")
-    gen = BatchGenerator(model, tokenizer,
-                         min(n, DEFAULT_MAX_BATCH) if max_batch is None else max_batch)
-    uids = [gen.add(p, s) for p, s in zip(prompts, settings)]
-    order = {u: i for i, u in enumerate(uids)}
-    filters = [StopFilter(s) for s in stop]
-    texts, tokens = [""] * n, [[] for _ in range(n)]
-    last = [None] * n
-    start = time.perf_counter()
-    from . import mlxlm
-
-    mx.reset_peak_memory()
-    with mlxlm.wired_limit(model.target.model, [generation_stream]):
-        while gen.busy:
-            for uid, r in gen.step():
-                i = order[uid]
-                tokens[i] += r.tokens
-                emit, finish = filters[i].feed(r.text, r.finish_reason)
-                texts[i] += emit
-                last[i] = (r, finish)
-                if verbose and emit:
-                    print(emit, end="", flush=True)
-                if finish is not None and r.finish_reason is None:  # a stop string
-                    gen.cancel(uid)
-    elapsed = time.perf_counter() - start
-    results = []
-    for i in range(n):
-        r, finish = last[i]
-        results.append(BatchResult(texts[i], tokens[i], finish, r.prompt_tokens,
-                                   r.generation_tokens, r.mean_accept_length, r.target_forwards,
-                                   r.accept_lengths))
-    produced = sum(r.generation_tokens for r in results)
-    stats = {"prompt_tokens": sum(r.prompt_tokens for r in results), "generation_tokens": produced,
-             "seconds": elapsed, "generation_tps": produced / max(elapsed, 1e-9),
-             "peak_memory": mx.get_peak_memory() / 1e9}
-    return BatchResponse(texts, stats, results)

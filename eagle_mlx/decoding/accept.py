@@ -16,7 +16,7 @@ token comes from p with all children zeroed. The output distribution is the targ
 
 import mlx.core as mx
 
-from . import mlxlm
+from .. import mlxlm
 from .compiled import compiled
 from .tree import Tree
 

@@ -12,10 +12,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .checkpoint import EAGLE3_MIN_TARGET_LAYERS, FORMAT_VERSION, _quantize_predicate
-from .heads import HeadArgs
-from .outputs import atomic_dir
-from .values import DTYPES
+from .read import EAGLE3_MIN_TARGET_LAYERS, FORMAT_VERSION, quantize_predicate
+from .eagle import HeadArgs
+from ..outputs import atomic_dir
+from ..targets.dtypes import DTYPES
 
 
 _OPTIONS_DEFAULTS = {f.name: f.default for f in fields(HeadArgs) if f.name in (
@@ -73,7 +73,7 @@ def save_head(head, source_config: dict, out: Path, dtype: Optional[str] = None,
         config["torch_dtype"] = dtype
     if q_bits:
         nn.quantize(head, group_size=q_group_size, bits=q_bits,
-                    class_predicate=_quantize_predicate(q_group_size))
+                    class_predicate=quantize_predicate(q_group_size))
         config["quantization"] = {"group_size": q_group_size, "bits": q_bits}
         params = dict(tree_flatten(head.parameters()))
     out_params = {}

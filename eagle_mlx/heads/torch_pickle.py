@@ -14,7 +14,7 @@ from typing import Dict
 import mlx.core as mx
 import numpy as np
 
-from .errors import EagleError
+from ..errors import EagleError
 
 # storage class -> numpy dtype of its bytes (bfloat16 is read as uint16, then viewed)
 _STORAGES = {

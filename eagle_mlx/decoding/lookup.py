@@ -57,7 +57,7 @@ class LookupSettings:
     def check(self, name=lambda field: f"lookup {field}") -> "LookupSettings":
         """Every setting in range, one sentence otherwise (`name`: how a setting is called,
         e.g. its command-line flag)."""
-        from .errors import EagleError
+        from ..errors import EagleError
 
         for field_, value in (("min_match", self.min_match), ("max_draft", self.max_draft),
                               ("branches", self.branches)):

@@ -27,7 +27,7 @@ import mlx.nn as nn
 
 from .cache import BatchRecurrentCache, RaggedKVCache, RecurrentCache, TreeKVCache, \
     WindowKVCache
-from .errors import EagleError
+from ..errors import EagleError
 from .layers import apply_rope, attention
 
 
@@ -160,7 +160,7 @@ def _delta_rounds(attn, windows, z, b, a, start, parent, rounds):
     node's convolution window given [N, K, conv_dim] and its parent's state read from
     concat(start, states)[parent] (start: the cached states the roots follow). Returns
     (normed output [N, 1, Hv*Dv], every node's state)."""
-    from .mlxlm import gated_delta_update, normalize_qk
+    from ..mlxlm import gated_delta_update, normalize_qk
 
     N = windows.shape[0]
     conv = nn.silu(attn.conv1d(windows))                                 # [N, 1, conv_dim]
@@ -385,7 +385,7 @@ class Ministral3Family(LayerCallFamily):
         return windows == _layer_type_windows(self.inner.layer_types, self.inner.sliding_window)
 
     def embed(self, target, tokens, fwd):
-        from .mlxlm import model_module
+        from ..mlxlm import model_module
 
         args = self.inner.args.rope_parameters
         scale = model_module("ministral3")._get_llama_4_attn_scale
@@ -510,7 +510,7 @@ def untruncated_yarn(family: Family) -> None:
     params = text.get("rope_scaling") or text.get("rope_parameters") or {}
     if params.get("rope_type", params.get("type")) != "yarn" or params.get("truncate", True):
         return
-    from .mlxlm import YarnRoPE
+    from ..mlxlm import YarnRoPE
 
     base = params.get("rope_theta", text.get("rope_theta", 10000.0))
     factor, length = params["factor"], params.get("original_max_position_embeddings", 4096)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import mlxlm
+from .. import mlxlm
 
 
 def _dynamic_ntk_freqs(rope, seq_len: mx.array) -> mx.array:

@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..targets.cache import BatchHeadCache
 from .compiled import compiled
 
 # The static tree of the official EAGLE-1 code (eagle-llm's `mc_sim_7b_63`): 25 nodes + root.
@@ -162,19 +163,6 @@ def _next_level_batch(logits: mx.array, scores: mx.array, tree_mask: mx.array):
     picked = mx.take_along_axis(tree_mask, from_node[..., None], axis=1)
     mask = mx.concatenate([picked, mx.broadcast_to(mx.eye(k, dtype=mx.bool_), (B, k, k))], axis=2)
     return child_ids.reshape(B, -1), cum, chosen, best, from_node, mask
-
-
-class BatchHeadCache:
-    """A batch of draft heads' caches, one `RaggedKVCache` per head layer (rows aligned
-    with the batch's rows): what `draft_dynamic_batch` drafts against."""
-
-    def __init__(self, layers: int):
-        from .cache import RaggedKVCache
-
-        self.layers = [RaggedKVCache() for _ in range(layers)]
-
-    def arrays(self):
-        return tuple(a for c in self.layers for a in c.arrays())
 
 
 def draft_dynamic_batch(head, target, cache: BatchHeadCache, features, tokens, roots,

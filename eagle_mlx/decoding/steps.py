@@ -13,7 +13,7 @@ import mlx.core as mx
 from .accept import KeyChain
 from .drafters import EagleDrafter
 from .engine import PREFILL_STEP_SIZE, Engine, SamplingParams, State, Step
-from .mlxlm import generate_step
+from ..mlxlm import generate_step
 from .profiling import PhaseTimer, profiled_cycle
 
 

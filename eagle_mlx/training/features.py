@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .errors import EagleError
+from ..errors import EagleError
 
 FORMAT = "eagle_mlx-features-1"
 INDEX = "index.json"
@@ -44,7 +44,7 @@ def read_index(out: Path, flag: str = "--out"):
 
 def map_safetensors(path: Path) -> Dict[str, np.ndarray]:
     """Every tensor of a safetensors file as a read-only view of the mapped file."""
-    from .mtp import SAFETENSORS_DTYPES, safetensors_header
+    from ..heads.mtp import SAFETENSORS_DTYPES, safetensors_header
 
     try:
         header, start = safetensors_header(path)

@@ -24,9 +24,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import HeadCache
-from .errors import EagleError
-from .families import PositionedRoPE, RopeContext
+from ..targets.cache import HeadCache
+from ..errors import EagleError
+from ..targets.families import PositionedRoPE, RopeContext
 
 MTP_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 INDEX = "model.safetensors.index.json"
@@ -127,11 +127,11 @@ def read_mtp_weights(folder: Path, shards: Optional[Iterable[str]] = None) -> Di
 
 def _layer_module(config: dict, path: Path):
     """(decoder layer class, mlx-lm args, full-attention layer index) for the family."""
-    from .target import _hybrid_overrides
+    from ..targets.load import hybrid_overrides
 
     text = text_config(config)
-    text = {**text, **_hybrid_overrides(text, path)}
-    from .mlxlm import model_module
+    text = {**text, **hybrid_overrides(text, path)}
+    from ..mlxlm import model_module
 
     kind = text.get("model_type")
     if kind == "qwen3_next":

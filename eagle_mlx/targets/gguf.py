@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .errors import EagleError, reason
+from ..errors import EagleError, reason
 
 # ggml tensor types: name, elements per block, bytes per block
 GGML_TYPES = {
@@ -546,7 +546,7 @@ def _packed_as(path: str, module: nn.Module, weights: Dict[str, mx.array]) -> di
 def build_model(config: dict, weights: Dict[str, mx.array], rope_factors=None) -> nn.Module:
     """An mlx-lm model from a config and its weights, quantizing exactly the layers whose
     weights come with scales (each with its own bits)."""
-    from .mlxlm import model_module
+    from ..mlxlm import model_module
 
     arch = model_module(config["model_type"])
     model = arch.Model(arch.ModelArgs.from_dict(config))
@@ -625,7 +625,7 @@ def _merges_from_scores(tokens: List[str], scores: List[float]) -> List[Tuple[st
 
 def build_tokenizer(meta: dict, path: Path):
     """mlx-lm's TokenizerWrapper for the vocabulary in the GGUF metadata."""
-    from .mlxlm import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
+    from ..mlxlm import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 

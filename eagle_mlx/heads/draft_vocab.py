@@ -7,20 +7,22 @@ N rows instead. It stays lossless: the target verifies every drafted token, and 
 outside the N is still produced by the target (as the bonus token), just never drafted.
 
 The ranking comes from token frequencies in assistant replies (ShareGPT by default, or
-the user's ShareGPT-style data) tokenized with the target's tokenizer; counts are kept
-in the user's cache, keyed by the tokenizer's vocabulary and the data.
+the user's ShareGPT-style data) tokenized with the target's tokenizer; rankings are kept
+in the user's cache, keyed by the tokenizer's vocabulary and the data, and a package may
+ship rankings under the same keys (the demo target's).
 """
 
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from .errors import EagleError
+from ..errors import EagleError
+from ..outputs import atomic_file, user_cache
 
 COUNT_CONVERSATIONS = 4000  # ShareGPT conversations counted (about 4M answer tokens)
 
@@ -76,29 +78,32 @@ def eagle3_mapping(counts: np.ndarray, n: int):
     return (ids - np.arange(n)).astype(np.int64), t2d
 
 
-def _cache_file(tokenizer, vocab_size: int, data: Optional[str]) -> Path:
-    from .tuning import cache_dir
-
+def ranking_file(tokenizer, vocab_size: int, data: Optional[str]) -> str:
+    """The name a ranking is kept under: a hash of the tokenizer's vocabulary, the data
+    counted and how much of it (the same name in the user's cache and in a shipped folder)."""
     vocab = getattr(tokenizer, "vocab", None) or {}
     key = json.dumps({"vocab": hashlib.sha256(json.dumps(sorted(vocab.items())).encode())
                       .hexdigest(), "size": vocab_size,
                       "data": str(Path(data).resolve()) if data else "sharegpt",
                       "n": COUNT_CONVERSATIONS}, sort_keys=True)
-    return cache_dir().parent / "draft_vocab" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npy"
+    return f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npy"
 
 
-def token_ranking(tokenizer, vocab_size: int, data: Optional[str] = None) -> np.ndarray:
-    """The target's tokens ranked by frequency in answers, counted once and cached."""
-    from .data import load_conversations
-    from .outputs import atomic_file
-
-    path = _cache_file(tokenizer, vocab_size, data)
-    if path.is_file():
-        try:
-            return np.load(path)
-        except (OSError, ValueError):
-            pass  # a damaged cache file is counted again
-    conversations = load_conversations(data, COUNT_CONVERSATIONS)
+def token_ranking(tokenizer, vocab_size: int, data: Optional[str],
+                  read_conversations: Callable[[Optional[str], int], list],
+                  shipped: Sequence[Path] = ()) -> np.ndarray:
+    """The target's tokens ranked by frequency in answers: from the user's cache or a
+    shipped folder of rankings (found by `ranking_file`), else counted in
+    `read_conversations(data, COUNT_CONVERSATIONS)` once and cached."""
+    name = ranking_file(tokenizer, vocab_size, data)
+    path = user_cache("draft_vocab") / name
+    for found in [path] + [Path(folder) / name for folder in shipped]:
+        if found.is_file():
+            try:
+                return np.load(found).astype(np.int32)
+            except (OSError, ValueError):
+                pass  # a damaged cache file is counted again
+    conversations = read_conversations(data, COUNT_CONVERSATIONS)
     order = ranking(count_tokens(tokenizer, conversations, vocab_size)).astype(np.int32)
     try:
         atomic_file(path, lambda t: np.save(t, order))

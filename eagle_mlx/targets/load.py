@@ -1,247 +1,27 @@
-"""Tree-capable targets: mlx-lm's models of the families in SUPPORTED_MODEL_TYPES, verified
-a whole tree at a time.
+"""Loading a target: a folder, a Hub repo or a GGUF file into a `Target`, through mlx-lm.
 
 mlx-lm builds and loads the model (HF folders, sharded and mlx-community checkpoints,
-quantized weights, the tokenizer with its chat template). `Target` runs the same
-modules with what verification needs and mlx-lm's forward lacks: per-token position
-ids, an explicit mask over cache + new tokens (each sliding-window layer: within its
-window), the post-norm hidden state (EAGLE-1/2 features) and the inputs of chosen decoder
-layers (EAGLE-3 features). How each family runs its layers: `families.py`.
+quantized weights, the tokenizer with its chat template); this module checks the config,
+adapts what mlx-lm's classes need (rope scalings, hybrid and Gemma layer patterns, expert
+stacking), chooses the dtype the weights are computed in, and shards across
+`mx.distributed` ranks.
 """
 
 import glob
 import json
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import RaggedKVCache, TreeKVCache
-from .errors import EagleError, reason
-from .families import FAMILIES, AttentionMechanism, Forward, LinearAttentionMechanism, \
-    RopeContext, family_of, install_positions, untruncated_yarn
+from ..errors import EagleError, reason
+from ..hub import resolve
+from .dtypes import DTYPE_CHOICES
 from .gguf import find_gguf, load_gguf
-from .hub import resolve
-from .values import DTYPE_CHOICES
+from .target import SUPPORTED_MODEL_TYPES, Target
 
-# mlx-lm decoders whose tree forward is tested against transformers: the standard shape
-# (norm -> attention with q/k/v/o and RoPE, optional q/k norms -> norm -> MLP or sparse
-# MoE) and the sliding-window / attention-sink families
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 QUANTIZATION_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")  # what mx.dequantize reads
-
-ATTENTION = AttentionMechanism()
-
-
-TREE_STATE_FRACTION = 8  # a tree's recurrent states may take 1/8 of the machine's memory
-
-
-def machine_memory() -> int:
-    """Bytes of memory the device has (a GPU's working set where MLX reports one)."""
-    import os
-
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    size = info.get("max_recommended_working_set_size") or info.get("memory_size")
-    return int(size or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def tree_state_budget() -> int:
-    return machine_memory() // TREE_STATE_FRACTION
-
-
-class TargetLM:
-    """The target's own forward as an mlx-lm model (`model(inputs, cache=...)` -> logits),
-    for plain decoding where mlx-lm's forward lacks what the config asks for."""
-
-    def __init__(self, target: "Target"):
-        self.target = target
-
-    def __call__(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
-        hidden, _ = self.target(inputs, cache)
-        return self.target.lm_head(hidden)
-
-
-class Target:
-    """A loaded mlx-lm model plus the tree forward pass."""
-
-    def __init__(self, model: nn.Module, config: dict, path: Optional[Path] = None):
-        self.model = model
-        self.config = config
-        self.path = path
-        self.family = family_of(model, config)
-        text = self.family.text_config()
-        self.layers = self.family.inner.layers
-        self.num_layers = len(self.layers)
-        self.hidden_size = text["hidden_size"]
-        emb = self.embed_tokens
-        self.vocab_size = getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
-        self.model_type = config["model_type"]
-        self.max_context = int(text.get("max_position_embeddings")
-                               or config.get("max_position_embeddings") or 4096)
-        attn = getattr(self.layers[0], "self_attn", None)  # (the standard decoders' heads)
-        self.n_heads = getattr(attn, "n_heads", None) or getattr(attn, "num_heads", None) \
-            or getattr(attn, "num_attention_heads", None)
-        self.n_kv_heads = getattr(attn, "n_kv_heads", None) \
-            or getattr(attn, "num_key_value_heads", None)
-        self.windows = self.family.windows()
-        self.mechanisms = self.family.mechanisms(ATTENTION)
-        self._rope = RopeContext()
-        untruncated_yarn(self.family)
-        install_positions(self.family, self._rope)
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self.family.inner.embed_tokens
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        return self.family.inner.norm.weight.dtype
-
-    @property
-    def eagle3_taps(self) -> Tuple[int, ...]:
-        """Decoder layers whose inputs feed an EAGLE-3 head: low, middle, high."""
-        L = self.num_layers
-        return tuple(sorted({2, L // 2, L - 3}))
-
-    @property
-    def plain_model(self):
-        """What plain decoding runs: mlx-lm's own model where its forward computes what the
-        config says, else the tree forward of this target (one token at a time)."""
-        return self.model if self.family.mlx_lm_exact(self.windows) else TargetLM(self)
-
-    @property
-    def node_state_bytes(self) -> int:
-        """Bytes a tree node costs in recurrent state: every linear-attention layer keeps
-        each node's [heads, d_v, d_k] float32 state (and its projected row) until the
-        acceptance picks one. 0 for attention-only targets (a node's keys and values are
-        a few KB there)."""
-        total = 0
-        for m, layer in zip(self.mechanisms, self.layers):
-            if isinstance(m, LinearAttentionMechanism):
-                a = layer.linear_attn
-                total += a.num_v_heads * a.head_v_dim * a.head_k_dim * 4 + \
-                    a.conv_dim * self.dtype.size
-        return total
-
-    def tree_node_limit(self) -> Optional[int]:
-        """The most tree nodes whose recurrent states fit in TREE_STATE_FRACTION of this
-        machine's memory (None: no bound, attention-only)."""
-        per_node = self.node_state_bytes
-        return None if not per_node else max(2, tree_state_budget() // per_node)
-
-    def make_cache(self) -> list:
-        """One cache per layer that keeps one (KV-shared layers read another's)."""
-        return [m.make_cache() for m in self.mechanisms if m.source is None]
-
-    def accept(self, caches, start: int, rows: mx.array) -> None:
-        """After a verify pass: every layer keeps the accepted tree rows `rows` (absolute
-        positions, root first) at start.."""
-        for m, c in zip(self.mechanisms, caches):
-            m.accept(c, start, rows)
-
-    def reusable(self, caches, length: int) -> bool:
-        """Whether every layer can be cut back to its first `length` positions exactly (a
-        sliding-window layer has dropped what its window no longer sees)."""
-        return all(m.reusable(c, length) for m, c in zip(self.mechanisms, caches))
-
-    def truncate(self, caches, length: int) -> None:
-        """Every layer forgets what follows the first `length` positions."""
-        for m, c in zip(self.mechanisms, caches):
-            m.truncate(c, length)
-
-    # ---------------------------------------------------------------- batches
-    def make_batch_cache(self) -> list:
-        """Per layer (as `make_cache`), the cache of a batch of sequences: rows join from a
-        sequence's own caches (`batch_join`) and leave (`batch_filter`) between cycles."""
-        return [m.make_batch_cache() for m in self.mechanisms if m.source is None]
-
-    @staticmethod
-    def batch_join(batch, caches) -> None:
-        """Add a sequence (its own caches after its prefill) as the batch's last row."""
-        for bc, c in zip(batch, caches):
-            bc.extend(c)
-
-    def batch_extract(self, batch, b: int, length: int) -> list:
-        """Row b of a batch (holding `length` positions) as a sequence's own caches."""
-        kept = [m for m in self.mechanisms if m.source is None]
-        return [bc.extract(b, m.window) if isinstance(bc, RaggedKVCache) else
-                bc.extract(b, length) for m, bc in zip(kept, batch)]
-
-    @staticmethod
-    def batch_filter(batch, rows) -> None:
-        for bc in batch:
-            bc.filter(rows)
-
-    @staticmethod
-    def batch_accept(batch, kept) -> None:
-        """After a batch verify: row b keeps its accepted tree nodes kept[b] (indices in its
-        tree, root first)."""
-        for bc in batch:
-            bc.commit(kept)
-
-    def verify_batch(self, tokens: mx.array, batch, lengths, positions: mx.array,
-                     tree: mx.array, taps: Sequence[int] = (),
-                     max_depth: Optional[int] = None) -> Tuple[mx.array, List[mx.array]]:
-        """A tree per row, after what each row holds: tokens, positions [B, T] (row b's
-        nodes at lengths[b] + depth), tree [B, T, T] each row's ancestor-or-self mask
-        (padding nodes see themselves). Returns as `__call__`, for every row."""
-        fwd = Forward(tokens.shape[1], list(lengths), positions, None, tree=tree)
-        if max_depth is not None:
-            fwd.max_depth = max_depth
-        return self._run(tokens, batch, fwd, taps)
-
-    @staticmethod
-    def cache_arrays(caches) -> list:
-        return [a for c in caches for a in c.arrays()]
-
-    def lm_head(self, hidden: mx.array) -> mx.array:
-        return self.family.logits(hidden)
-
-    def __call__(
-        self,
-        tokens: mx.array,
-        cache: Optional[Sequence[TreeKVCache]] = None,
-        positions: Optional[mx.array] = None,
-        mask=None,
-        taps: Sequence[int] = (),
-        max_depth: Optional[int] = None,
-    ) -> Tuple[mx.array, List[mx.array]]:
-        """Run `tokens` [B, T] after what `cache` holds.
-
-        positions: [T] position ids (default: cache length + 0..T-1).
-        mask: boolean [T, cache length + T], True where a token may attend
-              (default: causal). A tree passes its ancestor mask here; each
-              sliding-window layer narrows it to its window.
-        taps: decoder layers whose *input* hidden states to return (EAGLE-3); L (the
-              number of layers) is the last layer's output, before the final norm.
-        max_depth: a bound on the tree's depth below the root (recurrent layers scan
-              that many levels and the root's; default T - 1).
-        Returns the final hidden state after the last RMSNorm [B, T, H] and the
-        tapped states in the order of `taps`; logits are `lm_head(hidden)`.
-        """
-        caches = list(cache) if cache is not None else []
-        caches += [None] * (self.num_layers - len(caches))
-        fwd = Forward(tokens.shape[1], caches[0].offset if caches[0] is not None else 0,
-                      positions, mask)
-        if max_depth is not None:
-            fwd.max_depth = max_depth
-        return self._run(tokens, caches, fwd, taps)
-
-    def _run(self, tokens, caches, fwd: Forward, taps):
-        caches = list(caches) + [None] * (self.num_layers - len(caches))
-        positions, family, tapped = fwd.positions, self.family, {}
-        self._rope.positions = positions
-        try:
-            h = family.embed(self, tokens, fwd)
-            for i, (mech, layer, c) in enumerate(zip(self.mechanisms, self.layers, caches)):
-                if i in taps:
-                    tapped[i] = h
-                h = family.layer(self, i, layer, h, c, mech.mask(fwd, c), fwd)
-        finally:
-            self._rope.positions = None
-        tapped[self.num_layers] = h  # "the input of layer L": the last layer's output
-        return family.inner.norm(h), [tapped[i] for i in taps]
 
 
 def read_config(path: Path, what: str = "model") -> dict:
@@ -296,8 +76,8 @@ def _config_overrides(config: dict, path: Path) -> dict:
     if kind in HYBRID_TYPES:
         if isinstance(config.get("text_config"), dict):
             return {"text_config": {**config["text_config"],
-                                    **_hybrid_overrides(config["text_config"], path)}}
-        return _hybrid_overrides(config, path)
+                                    **hybrid_overrides(config["text_config"], path)}}
+        return hybrid_overrides(config, path)
     overrides = _rope_overrides(config)
     if kind == "qwen3_moe" and "num_experts" not in config and "num_local_experts" in config:
         overrides["num_experts"] = config["num_local_experts"]
@@ -337,11 +117,11 @@ def _period(types: list, other: str, family: str, path: Path) -> int:
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
-def _hybrid_overrides(text: dict, path: Path) -> dict:
+def hybrid_overrides(text: dict, path: Path) -> dict:
     """Qwen3.5 / Qwen3-Next: transformers >= 5 writes `layer_types` (linear_attention /
     full_attention) instead of `full_attention_interval`, and Qwen3-Next's RoPE settings in
     `rope_parameters`; mlx-lm reads the interval and the classic keys."""
-    from .mlxlm import TEXT_ONLY_TYPES
+    from ..mlxlm import TEXT_ONLY_TYPES
 
     kind = text.get("model_type")
     out = {"model_type": TEXT_ONLY_TYPES[kind]} if kind in TEXT_ONLY_TYPES else {}
@@ -381,7 +161,7 @@ def _model_classes(config: dict):
     """mlx-lm's model class for a config, as its loader picks it; gpt-oss also reads the
     float layout transformers saves (its experts' fused [E, H, 2I] `gate_up_proj`), which
     mlx-lm's `sanitize` takes only in OpenAI's MXFP4 layout or already converted."""
-    from .mlxlm import model_module
+    from ..mlxlm import model_module
 
     module = model_module(config["model_type"])
     if config["model_type"] == "qwen3_5_moe":
@@ -510,7 +290,7 @@ def convert_dtype(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
     dequantized weights are exact before the cast."""
     from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-    from . import mlxlm
+    from .. import mlxlm
 
     quantized = [name for name, m in model.named_modules() if hasattr(m, "scales")]
     if quantized:
@@ -546,7 +326,7 @@ def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = No
         # a target converted to floats takes every tensor's exact values
         model, config, tokenizer = load_gguf(gguf_file, requantize=convert_to is None)
     else:
-        from . import mlxlm
+        from .. import mlxlm
 
         # not a repo's original/ checkpoints
         path = resolve(path_or_repo, "model", allow_patterns=mlxlm.DEFAULT_ALLOW_PATTERNS)
@@ -554,8 +334,6 @@ def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = No
     if convert_to is not None:
         model = convert_dtype(model, convert_to)
     if group is not None:
-        from .distributed import shard
-
         shard(model, config, group, path)
     if not lazy:
         mx.eval(model.parameters())
@@ -563,7 +341,7 @@ def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = No
 
 
 def _load_mlx_lm(path: Path, lazy: bool):
-    from .mlxlm import load_model, load_tokenizer
+    from ..mlxlm import load_model, load_tokenizer
 
     config = read_config(path)
     check_config(config, path)
@@ -578,3 +356,21 @@ def _load_mlx_lm(path: Path, lazy: bool):
     except Exception as e:
         raise EagleError(f"could not load the tokenizer in {path}: {reason(e)}") from None
     return model, config, tokenizer
+
+
+def shard(model, config: dict, g: mx.distributed.Group, path) -> None:
+    """Split the target's decoder layers across the group (mlx-lm's own sharding)."""
+    n = g.size()
+    if not hasattr(model, "shard"):
+        raise EagleError(f"mlx-lm cannot shard {config.get('model_type')} models ({path}) "
+                         "across machines; it shards Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, "
+                         "gpt-oss, Ministral 3 and Qwen3.5 (dense and MoE).")
+    text = config.get("text_config") or config  # (a multimodal checkpoint's language model)
+    heads = text["num_attention_heads"]
+    kv = text.get("num_key_value_heads") or heads
+    inter = text.get("intermediate_size") or 0
+    for what, v in (("attention heads", heads), ("key/value heads", kv),
+                    ("MLP columns", inter)):
+        if v % n:
+            raise EagleError(f"{path} has {v} {what}, which do not split evenly over {n} ranks.")
+    model.shard(g)

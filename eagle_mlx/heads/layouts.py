@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from .errors import EagleError
+from ..errors import EagleError
 
 # keys a speculators eagle3 config may hold besides the flags this head honours
 _SPECULATORS_META = {

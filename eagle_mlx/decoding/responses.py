@@ -1,0 +1,116 @@
+"""The response stream: each target forward's tokens, as text with running stats
+(`GenerationResponse`, the shape mlx-lm users know), and stop strings over that text."""
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional
+
+import mlx.core as mx
+
+
+@dataclass
+class GenerationResponse:
+    """One target forward pass: the tokens it produced and the running stats."""
+
+    text: str
+    tokens: List[int]
+    accept_length: Optional[int]
+    finish_reason: Optional[str]
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    mean_accept_length: float  # tau: tokens per target forward after the prefill
+    target_forwards: int
+    peak_memory: float  # GB
+    accept_lengths: List[int] = field(default_factory=list, repr=False)
+
+
+def responses(tokenizer, ids, steps, max_tokens,
+               reset_peak: bool = True) -> Iterator[GenerationResponse]:
+    stop_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    detok = tokenizer.detokenizer
+    detok.reset()
+    if reset_peak:
+        mx.reset_peak_memory()
+    start = time.perf_counter()
+    prompt_time = gen_start = None
+    produced, forwards, accept_lengths = 0, 0, []
+
+    def response(tokens, accept_length, finish):
+        now = time.perf_counter()
+        gen_time = now - gen_start
+        return GenerationResponse(
+            text=detok.last_segment, tokens=tokens, accept_length=accept_length,
+            finish_reason=finish, prompt_tokens=len(ids),
+            prompt_tps=len(ids) / max(prompt_time, 1e-9),
+            generation_tokens=produced,
+            # the first token comes from the prefill, so it is not counted here
+            generation_tps=(produced - 1) / gen_time if gen_time > 0 else 0.0,
+            mean_accept_length=(sum(a + 1 for a in accept_lengths) / len(accept_lengths)
+                                if accept_lengths else 0.0),
+            target_forwards=forwards, peak_memory=mx.get_peak_memory() / 1e9,
+            accept_lengths=list(accept_lengths),
+        )
+
+    for step in steps:
+        forwards += 1
+        if prompt_time is None:
+            gen_start = time.perf_counter()
+            prompt_time = gen_start - start
+        tokens, finish = [], None
+        for t in step.tokens:
+            tokens.append(t)
+            produced += 1
+            if t in stop_ids:
+                finish = "stop"
+                break
+            detok.add_token(t)
+            if produced >= max_tokens:
+                finish = "length"
+                break
+        if step.accept_length is not None:  # tau counts only the tokens that were output
+            accept_lengths.append(min(step.accept_length, len(tokens) - 1))
+        if finish is not None:
+            detok.finalize()
+        yield response(tokens, step.accept_length, finish)
+        if finish is not None:
+            return
+    # the context is full
+    detok.finalize()
+    yield response([], None, "length")
+
+
+class StopFilter:
+    """A generation's text through its stop strings: text that might begin one is held back
+    until the next tokens tell; the first stop string ends the text before it."""
+
+    def __init__(self, stops: List[str]):
+        self.stops, self.held = list(stops), ""
+
+    def feed(self, text: str, finish: Optional[str]):
+        """(text to emit now, finish reason: "stop" at a stop string, else `finish`)."""
+        self.held += text
+        cut = _find_stop(self.held, self.stops)
+        if cut is not None:
+            emit, self.held = self.held[:cut], ""
+            return emit, "stop"
+        keep = _partial_stop(self.held, self.stops) if finish is None else 0
+        emit, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        return emit, finish
+
+
+def _find_stop(text: str, stops: List[str]) -> Optional[int]:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _partial_stop(text: str, stops: List[str]) -> int:
+    """Length of the longest end of `text` that begins some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if s.startswith(text[-n:]):
+                best = n
+                break
+    return best
