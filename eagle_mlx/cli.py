@@ -245,12 +245,12 @@ def describe_mode(model, settings) -> str:
         if model.head is not None:
             return "plain decoding: the benchmark found that speculation does not pay here"
         return "plain decoding"
-    if tree.get("static"):
-        shape = (f"static tree of {tree['total_tokens']} nodes, depth {tree['depth']}, "
-                 f"draft_top_k {tree['draft_top_k']}")
+    if tree.static:
+        shape = (f"static tree of {tree.total_tokens} nodes, depth {tree.depth}, "
+                 f"draft_top_k {tree.draft_top_k}")
     else:
-        shape = (f"dynamic tree: total_tokens {tree['total_tokens']}, depth {tree['depth']}, "
-                 f"draft_top_k {tree['draft_top_k']}")
+        shape = (f"dynamic tree: total_tokens {tree.total_tokens}, depth {tree.depth}, "
+                 f"draft_top_k {tree.draft_top_k}")
     source = "tuned" if model.tuning and model.tuning.get("speculate", True) else "default"
     explicit = any(getattr(settings, k) is not None for k in
                    ("total_tokens", "depth", "draft_top_k", "tree_choices"))
@@ -260,10 +260,10 @@ def describe_mode(model, settings) -> str:
 
 def describe_head(head) -> str:
     """The head's kind, the layout it was read from and the target layers it reads."""
-    layout = getattr(head, "layout", None)
+    layout = head.source.layout
     text = f"{head.kind} head" + (f" ({layout} layout)" if layout and layout != "eagle_mlx"
                                   else "")
-    taps = getattr(getattr(head, "args", None), "aux_layers", None)
+    taps = head.aux_layers
     return text + (f", reading target layers {list(taps)}" if taps else "")
 
 

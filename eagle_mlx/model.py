@@ -6,6 +6,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .decoding.lookup import LookupSettings
+from .decoding.tree import TreeSpec
 from .demo import RANKINGS
 from .errors import EagleError
 from .heads.draft_vocab import check_size, token_ranking
@@ -20,7 +21,7 @@ from .tuning import read_tuning
 # datacentre GPU, so the tree is small (the official 60 nodes / depth 7 / top-10 is tuned
 # for A100s). 16 nodes, depth 4, top-4 is the official code's small setting; the benchmark
 # measures this machine's verify cost curve and stores a better choice in the user's cache.
-DEFAULT_TREE = {"total_tokens": 16, "depth": 4, "draft_top_k": 4}
+DEFAULT_TREE = TreeSpec(total_tokens=16, depth=4, draft_top_k=4)
 
 
 @dataclass
@@ -50,14 +51,12 @@ class EagleModel:
         tuning = self.batch_tuning(batch) or self.tuning or {}
         return self.head is not None and bool(tuning.get("speculate", True))
 
-    def tree_settings(self, batch: Optional[int] = None) -> dict:
+    def tree_settings(self, batch: Optional[int] = None) -> TreeSpec:
         """The tree to draft: the benchmark's choice (for this batch size, where it measured
         batches) over the default."""
-        settings = dict(DEFAULT_TREE)
-        tuning = self.batch_tuning(batch) or self.tuning
-        if tuning:
-            settings.update({k: tuning[k] for k in DEFAULT_TREE if k in tuning})
-        return settings
+        tuning = self.batch_tuning(batch) or self.tuning or {}
+        return DEFAULT_TREE.replace(**{k: tuning[k] for k in DEFAULT_TREE.asdict()
+                                       if k in tuning})
 
 
 def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
@@ -101,7 +100,7 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
         convert_dtype(head, convert_to)
         if not lazy:
             mx.eval(head.parameters())
-    path = head.source_path
+    path = head.source.path
     tuning = read_tuning(path, t.path, t.dtype)
     if draft_vocab is None and tuning and tuning.get("draft_vocab"):
         draft_vocab = tuning["draft_vocab"]  # the benchmark's choice on this machine
@@ -129,4 +128,4 @@ def attach_draft_vocab(head, target, tokenizer, n, data=None) -> None:
     check_size(target, n)  # before counting tokens for the ranking
     order = token_ranking(tokenizer, target.vocab_size, data, load_conversations,
                           shipped=(RANKINGS,))
-    head.draft = reduced_vocab(target, order, n)
+    head.use_draft_vocab(reduced_vocab(target, order, n))

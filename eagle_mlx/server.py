@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional
 
 from .cli import ArgumentParser, add_draft_vocab_args, add_dtype_arg, add_lookup_args, run_cli
-from .errors import EagleError
+from .errors import EagleError, is_int
 
 MAX_BODY_BYTES = 1 << 20  # default limit on a request body
 MAX_STOP_STRINGS = 4      # as OpenAI's API
@@ -45,7 +45,7 @@ def _int(body, key, default, low, high=None):
     value = body.get(key, default)
     if value is None:
         return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or \
+    if not is_int(value) or value < low or \
             (high is not None and value > high):
         bound = f" from {low} to {high}" if high is not None else f" of at least {low}"
         raise RequestError(f"'{key}' must be a whole number{bound} (got {value!r}).", param=key)

@@ -43,13 +43,13 @@ def main():
         if n:
             attach_draft_vocab(model.head, model.target, tok, n)
             drafts[n] = model.head.draft
-    tree = model.tree_settings()
+    tree = model.tree_settings().asdict()
     prompts = load_prompts(["mt-bench", "humaneval"], args.num_prompts)
     rows = {n: [] for n in args.sizes}
     for src, text in prompts:
         ids = chat_prompt(tok, [{"role": "user", "content": text}])
         for n in args.sizes:
-            model.head.draft = drafts.get(n)
+            model.head.use_draft_vocab(drafts.get(n))
             timer, out, taus = PhaseTimer(), [], []
             start = time.perf_counter()
             for step in eagle_steps(model.target, model.head, ids, SamplingParams(),

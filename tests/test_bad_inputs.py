@@ -430,12 +430,12 @@ def test_a_head_far_below_its_own_record_gets_a_warning(world):
     r = list(eagle_mlx.stream_generate(model, tok, [5, 6, 7], max_tokens=120))[-1]
     first = sum(a >= 1 for a in r.accept_lengths) / len(r.accept_lengths)
     assert len(r.accept_lengths) >= 20 and first < 0.45  # a random head: few drafts accepted
-    model.head.held_out_top1 = min(1.0, 2.5 * first + 0.3)  # promised far more than it did
+    model.head.source = model.head.source.replace(held_out_top1=min(1.0, 2.5 * first + 0.3))  # promised far more than it did
     warning = acceptance_warning(model, r)
     assert warning and "a head for this target?" in warning and "\n" not in warning
-    model.head.held_out_top1 = max(first, 0.01)  # it did what it promised
+    model.head.source = model.head.source.replace(held_out_top1=max(first, 0.01))  # it did what it promised
     assert acceptance_warning(model, r) is None
-    model.head.held_out_top1 = None
+    model.head.source = model.head.source.replace(held_out_top1=None)
     model.tuning = {"tau": r.mean_accept_length * 3, "temp": 0.0}  # the benchmark saw far more
     assert "far below" in acceptance_warning(model, r)
 

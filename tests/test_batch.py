@@ -261,7 +261,7 @@ def test_the_batch_size_tuning_picks_each_joining_sequence_tree(pairs, tmp_path,
         "speculate": True, **TREE, "batch": {"2": {"speculate": False, **TREE},
                                              "3": {"speculate": True, **tree4}}})
     model, tok = eagle_mlx.load(str(t), eagle=str(h))
-    assert model.tree_settings(5) == tree4 and not model.speculates_at(2)
+    assert model.tree_settings(5).asdict() == tree4 and not model.speculates_at(2)
     gen = BatchGenerator(model, tok, max_batch=3)
     uids = [gen.add(p, max_tokens=20) for p in PROMPTS[:3]]
     got, trees = {u: [] for u in uids}, {}

@@ -159,7 +159,7 @@ def test_benchmark_writes_json_png_and_tuning(pair, tmp_path, monkeypatch):
     model, _ = eagle_mlx.load(str(target), eagle=str(head_copy))
     assert model.speculates == choice["speculate"]
     if choice["speculate"]:
-        assert model.tree_settings() == {k: choice[k] for k in ("total_tokens", "depth", "draft_top_k")}
+        assert model.tree_settings().asdict() == {k: choice[k] for k in ("total_tokens", "depth", "draft_top_k")}
     # continuous batching measured per batch size (every tree's batch = plain's tokens), and
     # the choice per size saved and read back
     assert set(report["batch"]) == {"1", "3"}

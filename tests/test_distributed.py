@@ -208,7 +208,7 @@ def test_a_rank_stopped_by_the_launcher_says_why(pairs, tmp_path):
 def test_targets_mlx_lm_cannot_shard_are_refused(tiny_dir):
     import mlx.core as mx
 
-    from eagle_mlx.distributed import shard
+    from eagle_mlx.targets.load import shard
     from eagle_mlx.targets.load import load_target, read_config
 
     class Two:  # a group of two, for the checks that come before any communication

@@ -343,7 +343,7 @@ def test_sampling_through_the_engine_is_lossless(small_vocab_pair, draft):
     target_dir, head_dir = small_vocab_pair
     model, _ = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
     if draft:
-        model.head.draft = draft_vocab(model.target, np.array([5, 2, 7, 0, 3, 1, 4, 6]), draft)
+        model.head.use_draft_vocab(draft_vocab(model.target, np.array([5, 2, 7, 0, 3, 1, 4, 6]), draft))
     sampling = SAMPLING_CASES[1][0]
     prompt, n_tokens, runs = [1, 4, 6], 3, 1500
     tree = dict(total_tokens=10, depth=3, draft_top_k=3)
@@ -638,7 +638,7 @@ def test_greedy_with_a_reduced_draft_vocab_equals_plain(random_pairs, tmp_path, 
     target_dir, head_dir = random_pairs[pair]
     model, tok = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
     rng = np.random.default_rng(9)
-    model.head.draft = draft_vocab(model.target, rng.permutation(64), 20)
+    model.head.use_draft_vocab(draft_vocab(model.target, rng.permutation(64), 20))
     for tree in (TREES[0], TREES[1], TREES[4]):
         prompt = rng.integers(3, 64, 6).tolist()
         rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40, **tree))

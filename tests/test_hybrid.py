@@ -187,7 +187,7 @@ def test_a_tree_beyond_the_state_memory_bound(hybrid_pairs, monkeypatch):
     assert "30 nodes" in message and "at most 10 nodes" in message and "\n" not in message
     from eagle_mlx.decoding.plan import tree_plan
 
-    assert tree_plan(model)["total_tokens"] == 10  # the default tree, cut to the bound
+    assert tree_plan(model).total_tokens == 10  # the default tree, cut to the bound
     prompt = [5, 6, 7, 9, 11]
     runs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=12))
     assert [t for r in runs for t in r.tokens] == hf_greedy(hf_model(target_dir), prompt, 12)

@@ -30,21 +30,20 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import check, is_int
-from ..targets.cache import BatchHeadCache, HeadCache
-from .drafters import EagleDrafter
+from ..targets.cache import BatchHeadCache
+from .drafters import Drafter, DraftRow
 from .engine import Engine, State, Step, Verified, generation_stream
-from .lookup import MergedDrafter
 from .plan import prepare
 from .responses import responses
 from .settings import GenerationSettings
 from .steps import PromptCache
-from .tree import Tree, draft_dynamic_batch
+from .tree import Tree
 
 BATCH_PREFILL_CHUNK = 512  # prompt tokens a step prefills while a batch decodes
 DEFAULT_MAX_BATCH = 8
 
 
-class RootDrafter:
+class RootDrafter(Drafter):
     """Plain decoding inside a batch: the tree is the root alone (the verify pass is the
     next decoding step)."""
 
@@ -109,8 +108,7 @@ class BatchGenerator:
             self.taps = tuple(taps)
         # the head drafts every row's dynamic tree in one pass per level where its layers
         # are full attention (its caches then live in the batch, as the target's)
-        self.batched_head = head is not None and head.kind in ("eagle1", "eagle3") and not any(
-            head.args.window(i) for i in range(getattr(head.args, "num_layers", 1)))
+        self.batched_head = head is not None and head.drafts_batched
         self.head_caches = None
 
     @property
@@ -189,84 +187,44 @@ class BatchGenerator:
         else:
             self.target.batch_filter(self.caches, keep)
             if self.head_caches is not None:
-                for c in self.head_caches.layers:
-                    c.filter(keep)
+                self.head_caches.filter(keep)
 
     # ---------------------------------------------------------------- the head's rows
     @staticmethod
-    def _head_layers(seq: _Sequence):
-        """The caches of a sequence's head state, one per head layer (None: no head)."""
-        d = seq.engine.drafter
-        state = seq.state.drafter
-        if isinstance(d, MergedDrafter):
-            state = state[0]
-        if not isinstance(d, (EagleDrafter, MergedDrafter)):
-            return None
-        return state.layers if isinstance(state, HeadCache) else [state]
+    def _head_layers(seq: _Sequence) -> Optional[list]:
+        """The sequence's own head caches, one per head layer (None: no head)."""
+        return seq.engine.drafter.head_caches(seq.state.drafter)
 
     def _head_in(self, seq: _Sequence) -> None:
         if self.head_caches is None:
-            self.head_caches = BatchHeadCache(getattr(self.model.head.args, "num_layers", 1))
+            self.head_caches = BatchHeadCache(self.model.head.num_layers)
             for _ in self.active:
-                for c in self.head_caches.layers:
-                    c.extend(None)
-        own = self._head_layers(seq)
-        for i, c in enumerate(self.head_caches.layers):
-            c.extend(None if own is None else own[i])
+                self.head_caches.join(None)
+        self.head_caches.join(self._head_layers(seq))
 
     def _head_out(self, seq: _Sequence, b: int) -> None:
         """Row b of the batch's head caches back into the sequence's own head state."""
         own = self._head_layers(seq)
-        if own is None or self.head_caches is None:
-            return
-        for mine, c in zip(own, self.head_caches.layers):
-            if c.lengths[b] == 0:
-                mine.keys = mine.values = None
-                mine.offset = 0
-                continue
-            row = c.extract(b)
-            mine.keys, mine.values, mine.offset = row.keys, row.values, row.offset
+        if own is not None and self.head_caches is not None:
+            self.head_caches.copy_out(b, own)
 
     def _draft(self, rows, speculative) -> List[Tree]:
-        """Every row's tree: the head's dynamic trees in one batched pass per (depth, top-k)
-        where the head's caches live in the batch, other drafters row by row."""
+        """Every row's tree through its drafter: rows whose drafters share a batch key in
+        one `propose_batch` call, the others alone; the root alone where a row does not
+        speculate this cycle."""
         trees = [None] * len(rows)
         groups = {}
         for b, (s, spec) in enumerate(zip(rows, speculative)):
             if not spec:
                 trees[b] = _root_tree(s.state.root)
                 continue
-            d = s.engine.drafter
-            eagle = d.head if isinstance(d, MergedDrafter) else d
-            if self.batched_head and isinstance(eagle, EagleDrafter) and eagle.static is None:
-                groups.setdefault((eagle.depth, eagle.top_k), []).append(b)
-            elif self.batched_head and self._head_layers(s) is not None:
-                # a drafter of its own (a static tree): its row out of the batch and back
-                self._head_out(s, b)
-                trees[b] = s.engine.draft(s.state)
-                for mine, c in zip(self._head_layers(s), self.head_caches.layers):
-                    c.set_row(b, mine)
-            else:
-                trees[b] = s.engine.draft(s.state)
-        merged = []
-        for (depth, top_k), members in groups.items():
-            st = [rows[b].state for b in members]
-            totals = []
-            for b in members:
-                d = rows[b].engine.drafter
-                totals.append((d.head if isinstance(d, MergedDrafter) else d).total_tokens)
-            drafted = draft_dynamic_batch(self.model.head, self.target, self.head_caches,
-                                          [x.feats for x in st], [x.tokens for x in st],
-                                          [x.root for x in st], members, totals, depth, top_k)
+            key = s.engine.drafter.batch_key() if self.batched_head else None
+            groups.setdefault(("alone", b) if key is None else key, []).append(b)
+        for members in groups.values():
+            draft_rows = [DraftRow(b, rows[b].engine.drafter, rows[b].state) for b in members]
+            drafted = draft_rows[0].drafter.propose_batch(draft_rows, self.head_caches)
             for b, t in zip(members, drafted):
                 trees[b] = t
-                if isinstance(rows[b].engine.drafter, MergedDrafter):
-                    merged.append(b)
-        if merged:  # SYNC: the head's trees come to the host to be merged with lookup's
-            mx.eval([[trees[b].tokens, trees[b].parents, trees[b].scores] for b in merged])
-            for b in merged:
-                s = rows[b]
-                trees[b] = s.engine.drafter.merge(s.state.drafter, trees[b], s.state.tokens)
         return trees
 
     # ---------------------------------------------------------------- a step

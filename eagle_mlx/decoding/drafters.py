@@ -14,13 +14,29 @@ many positions it has seen and `truncate(state, n)` forgets the rest.
 
 `features` says what the drafter reads from the target: None (nothing), () (the post-norm
 last hidden state) or a tuple of decoder layers whose inputs it reads (EAGLE-3).
+
+A batch (`batch.BatchGenerator`) drafts every row through `propose_batch`: rows whose
+drafters give the same `batch_key` draft in one call (an EAGLE head: one forward per level
+for all of them, over the batch's ragged head caches), the others one by one. Where the
+batch holds a head's caches (`head_caches`), a row drafting on its own takes its row out
+of them and puts it back.
 """
 
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .tree import StaticTree, Tree, draft_dynamic
+from .tree import StaticTree, Tree, draft_dynamic, draft_dynamic_batch
+
+
+@dataclass
+class DraftRow:
+    """One sequence of a batch, as its drafter sees it."""
+
+    index: int      # its row in the batch
+    drafter: "Drafter"
+    state: object   # the engine's State: the drafter's state, features, tokens and root
 
 
 class Drafter:
@@ -49,6 +65,32 @@ class Drafter:
         this drafter has not seen, token i following the position of feature i (the last
         token is the root). Returns the tree to verify, root first."""
         raise NotImplementedError
+
+    # ---------------------------------------------------------------- in a batch
+    def head_caches(self, state) -> Optional[list]:
+        """The per-layer KV caches of a head inside `state`, which a batch may hold in its
+        own ragged caches while the sequence decodes in it (None: no head)."""
+        return None
+
+    def batch_key(self):
+        """Rows whose drafters give the same key (not None) draft together, in one
+        `propose_batch` call; None: alone."""
+        return None
+
+    def propose_batch(self, rows: Sequence[DraftRow], cache=None) -> List[Tree]:
+        """The trees of `rows` (drafters with this one's `batch_key`, or this one alone);
+        cache: the batch's head caches (a `BatchHeadCache`) where it holds them. Row by row
+        here."""
+        trees = []
+        for r in rows:
+            s = r.state
+            own = None if cache is None else r.drafter.head_caches(s.drafter)
+            if own is not None:  # its head's caches live in the batch: out and back
+                cache.copy_out(r.index, own)
+            trees.append(r.drafter.propose(s.drafter, s.feats, s.tokens, s.root))
+            if own is not None:
+                cache.copy_in(r.index, own)
+        return trees
 
 
 class EagleDrafter(Drafter):
@@ -81,3 +123,22 @@ class EagleDrafter(Drafter):
             return self.static.draft(self.head, self.target, state, features, tokens, root)
         return draft_dynamic(self.head, self.target, state, features, tokens, root,
                              self.total_tokens, self.depth, self.top_k)
+
+    def head_caches(self, state) -> list:
+        return self.head.cache_layers(state)
+
+    def batch_key(self):
+        """Dynamic trees of one shape, with a head whose layers a batch can hold."""
+        if self.static is not None or not self.head.drafts_batched:
+            return None
+        return ("eagle", id(self.head), self.depth, self.top_k)
+
+    def propose_batch(self, rows: Sequence[DraftRow], cache=None) -> List[Tree]:
+        if self.batch_key() is None or cache is None:
+            return super().propose_batch(rows, cache)
+        states = [r.state for r in rows]
+        return draft_dynamic_batch(self.head, self.target, cache, [s.feats for s in states],
+                                   [s.tokens for s in states], [s.root for s in states],
+                                   [r.index for r in rows],
+                                   [r.drafter.total_tokens for r in rows], self.depth,
+                                   self.top_k)

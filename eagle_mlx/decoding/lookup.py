@@ -24,7 +24,8 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .drafters import Drafter
+from ..errors import EagleError, is_int
+from .drafters import Drafter, DraftRow
 from .tree import Tree, tree_from_parents
 
 # per-token acceptance of a lookup draft by match length (the largest key at most the match;
@@ -57,11 +58,9 @@ class LookupSettings:
     def check(self, name=lambda field: f"lookup {field}") -> "LookupSettings":
         """Every setting in range, one sentence otherwise (`name`: how a setting is called,
         e.g. its command-line flag)."""
-        from ..errors import EagleError
-
         for field_, value in (("min_match", self.min_match), ("max_draft", self.max_draft),
                               ("branches", self.branches)):
-            if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 256):
+            if not (is_int(value) and 1 <= value <= 256):
                 raise EagleError(f"{name(field_)} must be a whole number from 1 to 256 "
                                  f"(got {value!r}).")
         return self
@@ -284,6 +283,24 @@ class MergedDrafter(Drafter):
     def propose(self, state, features, tokens, root) -> Tree:
         return self.merge(state, self.head.propose(state[0], features, tokens, root), tokens)
 
+    def head_caches(self, state) -> Optional[list]:
+        return self.head.head_caches(state[0])
+
+    def batch_key(self):
+        key = self.head.batch_key()
+        return None if key is None else ("merged", key)
+
+    def propose_batch(self, rows, cache=None) -> List[Tree]:
+        """The heads' trees together, then each merged with its lookup branches."""
+        if self.batch_key() is None or cache is None:
+            return super().propose_batch(rows, cache)
+        heads = [DraftRow(r.index, r.drafter.head, _HeadView(r.state)) for r in rows]
+        drafted = self.head.propose_batch(heads, cache)
+        # SYNC: the heads' trees come to the host to be merged with lookup's
+        mx.eval([[t.tokens, t.parents, t.scores] for t in drafted])
+        return [r.drafter.merge(r.state.drafter, t, r.state.tokens)
+                for r, t in zip(rows, drafted)]
+
     def merge(self, state, drafted: Tree, tokens) -> Tree:
         """The head's tree `drafted` and the lookup branches as one tree (the lookup drafter
         catches up on `tokens` first)."""
@@ -299,3 +316,11 @@ class MergedDrafter(Drafter):
             trie.add(paths[i], math.exp(min(scores[i], 0.0)), "head")
         self.lookup.add_to(trie, state[1])
         return trie.tree(toks[0], self.total_tokens)
+
+
+class _HeadView:
+    """A sequence's engine state as its head's drafter sees it inside a MergedDrafter."""
+
+    def __init__(self, state):
+        self.drafter = state.drafter[0]
+        self.feats, self.tokens, self.root = state.feats, state.tokens, state.root

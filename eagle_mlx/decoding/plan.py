@@ -16,6 +16,7 @@ from .engine import SamplingParams
 from .lookup import LookupDrafter, MergedDrafter
 from .settings import GenerationSettings, static_top_k
 from .steps import PromptCache
+from .tree import TreeSpec
 
 
 def check_tree(model, total_tokens, depth, draft_top_k, tree_choices) -> None:
@@ -31,7 +32,7 @@ def check_tree(model, total_tokens, depth, draft_top_k, tree_choices) -> None:
 
 
 def tree_plan(model, total_tokens=None, depth=None, draft_top_k=None, tree_choices=None,
-              speculate=None, batch: Optional[int] = None) -> Optional[dict]:
+              speculate=None, batch: Optional[int] = None) -> Optional[TreeSpec]:
     """The tree a generation will use (None: plain decoding): explicit settings over the
     benchmark's tuning (for a batch of `batch` sequences, where it measured batches) over
     the defaults. speculate as in `stream_generate`."""
@@ -43,31 +44,28 @@ def tree_plan(model, total_tokens=None, depth=None, draft_top_k=None, tree_choic
         return None
     tree = model.tree_settings(batch)
     if draft_top_k is None and tree_choices:  # a static tree's ranks set its top-k
-        draft_top_k = max(tree["draft_top_k"], static_top_k(tree_choices))
-    for key, value in (("total_tokens", total_tokens), ("depth", depth),
-                       ("draft_top_k", draft_top_k)):
-        if value is not None:
-            tree[key] = value
+        draft_top_k = max(tree.draft_top_k, static_top_k(tree_choices))
+    tree = tree.replace(**{k: v for k, v in (("total_tokens", total_tokens), ("depth", depth),
+                                             ("draft_top_k", draft_top_k)) if v is not None})
     if tree_choices:
-        tree = {"static": True, "total_tokens": len(tree_choices) + 1, "depth": max(map(len, tree_choices)),
-                "draft_top_k": tree["draft_top_k"]}
+        tree = TreeSpec.from_choices(tree_choices, tree.draft_top_k)
     return bound_tree(model.target, tree, explicit=total_tokens is not None or bool(tree_choices))
 
 
-def bound_tree(target, tree: dict, explicit: bool) -> dict:
+def bound_tree(target, tree: TreeSpec, explicit: bool) -> TreeSpec:
     """A hybrid target's tree within the memory its nodes' recurrent states may take: a
     tree asked for explicitly is refused beyond it, a default or tuned one is cut to it."""
     limit = target.tree_node_limit()
-    if limit is None or tree["total_tokens"] <= limit:
+    if limit is None or tree.total_tokens <= limit:
         return tree
     per_node = target.node_state_bytes
     check(not explicit,
-           f"a tree of {tree['total_tokens']} nodes needs "
-           f"{tree['total_tokens'] * per_node / 2**30:.1f} GB of recurrent states on this "
-           f"{target.model_type} target ({per_node / 2**20:.1f} MB a node), over the bound of "
-           f"{machine_memory() / TREE_STATE_FRACTION / 2**30:.1f} GB (1/{TREE_STATE_FRACTION} of "
-           f"this machine's memory); use at most {limit} nodes (total_tokens).")
-    return dict(tree, total_tokens=limit)
+          f"a tree of {tree.total_tokens} nodes needs "
+          f"{tree.total_tokens * per_node / 2**30:.1f} GB of recurrent states on this "
+          f"{target.model_type} target ({per_node / 2**20:.1f} MB a node), over the bound of "
+          f"{machine_memory() / TREE_STATE_FRACTION / 2**30:.1f} GB (1/{TREE_STATE_FRACTION} of "
+          f"this machine's memory); use at most {limit} nodes (total_tokens).")
+    return tree.replace(total_tokens=limit)
 
 
 def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]]) -> List[int]:
@@ -125,7 +123,7 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
     # where the benchmark found that the head's trees do not pay, lookup drafts alone
     alone = alone or (lookup is not None and not speculate)
     if speculate:
-        total_tokens, depth, draft_top_k = tree["total_tokens"], tree["depth"], tree["draft_top_k"]
+        total_tokens, depth, draft_top_k = tree.total_tokens, tree.depth, tree.draft_top_k
     target = model.target
     check(max_context is None or max_context <= target.max_context,
            f"max_context {max_context} exceeds the model's context of {target.max_context} tokens.")

@@ -14,8 +14,8 @@ whole pool. The static tree (EAGLE-1) drafts the fixed `tree_choices` level by l
 Everything is built as lazy MLX graphs: one head call per level, no loop over nodes.
 """
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -185,7 +185,7 @@ def draft_dynamic_batch(head, target, cache: BatchHeadCache, features, tokens, r
         toks[r] = mx.pad(t.astype(mx.int32), (0, M - m[r]))
     held = layers[0].held
     positions = mx.array(held)[:, None] + mx.arange(M)[None, :]
-    head_cache = layers[0] if len(layers) == 1 and head.kind == "eagle1" else cache
+    head_cache = head.batch_cache(cache)
     out = head(mx.stack(feats), mx.stack(toks), embed, head_cache, positions=positions,
                mask=layers[0].mask(None, M), fed_back=False)
     for c in layers:
@@ -224,6 +224,36 @@ def draft_dynamic_batch(head, target, cache: BatchHeadCache, features, tokens, r
     return [Tree(*compiled(_rerank, total - 1, top_k, depth)(
         all_scores[r], all_tokens[r], all_parents[r], root))
         for r, root, total in zip(rows, roots, totals)]
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """The tree a generation drafts: `total_tokens` nodes with the root, `depth` levels,
+    `draft_top_k` children per node; with `choices` (EAGLE-1 paths of child ranks) the
+    static tree they spell, else the EAGLE-2 dynamic tree."""
+
+    total_tokens: int
+    depth: int
+    draft_top_k: int
+    choices: Optional[Tuple[Tuple[int, ...], ...]] = None
+
+    @property
+    def static(self) -> bool:
+        return self.choices is not None
+
+    @classmethod
+    def from_choices(cls, tree_choices, draft_top_k: int) -> "TreeSpec":
+        choices = tuple(tuple(c) for c in tree_choices)
+        return cls(len(choices) + 1, max(map(len, choices)), draft_top_k, choices)
+
+    def replace(self, **changes) -> "TreeSpec":
+        return replace(self, **changes)
+
+    def asdict(self) -> dict:
+        """The three sizes (what the benchmark's tuning stores)."""
+        d = asdict(self)
+        del d["choices"]
+        return d
 
 
 class StaticTree:

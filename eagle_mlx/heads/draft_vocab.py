@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..errors import EagleError
+from ..errors import EagleError, is_int
 from ..outputs import atomic_file, user_cache
 
 COUNT_CONVERSATIONS = 4000  # ShareGPT conversations counted (about 4M answer tokens)
@@ -114,8 +114,7 @@ def token_ranking(tokenizer, vocab_size: int, data: Optional[str],
 
 def check_size(target, n) -> None:
     """A draft vocabulary size the target can have: a whole number from 1 to its vocabulary."""
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or \
-            not 1 <= n <= target.vocab_size:
+    if not is_int(n) or not 1 <= n <= target.vocab_size:
         raise EagleError(f"draft_vocab must be from 1 to the vocabulary size {target.vocab_size} "
                          f"(got {n!r}).")
 

@@ -24,6 +24,7 @@ import mlx.nn as nn
 from .. import mlxlm
 from ..targets.cache import HeadCache, TreeKVCache
 from ..targets.layers import attention
+from .base import DraftHead, HeadSource
 
 
 @dataclass
@@ -177,22 +178,28 @@ class Eagle1Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle1Head(nn.Module):
+class Eagle1Head(DraftHead):
     kind = "eagle1"
 
-    def __init__(self, args: HeadArgs):
-        super().__init__()
+    def __init__(self, args: HeadArgs, source: Optional[HeadSource] = None):
+        super().__init__(source)
         self.args = args
         H = args.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=args.bias)
         self.layers = [Eagle1Layer(args)]
 
     feature_size = property(lambda self: self.args.hidden_size)
-    draft = None  # a DraftVocab: draft over N frequent tokens instead of the whole vocabulary
+    vocab_size = property(lambda self: self.args.vocab_size)
+    drafts_batched = property(lambda self: not self.args.window(0))
 
     @property
     def draft_vocab_size(self) -> int:
         return self.draft.size if self.draft is not None else self.args.vocab_size
+
+    def use_draft_vocab(self, vocab) -> None:
+        """Draft over the N frequent tokens of `vocab` (a DraftVocab) instead of the whole
+        vocabulary (None)."""
+        self.draft = vocab
 
     def __call__(self, features, tokens, embed, cache=None, positions=None, mask=None,
                  fed_back=None):
@@ -200,9 +207,6 @@ class Eagle1Head(nn.Module):
         e = embed(tokens).astype(features.dtype)
         x = self.fc(mx.concatenate([e, features], axis=-1))
         return self.layers[0](x, cache, positions, mask)
-
-    def feature_taps(self, target) -> tuple:
-        return ()  # the post-norm last hidden state
 
     def logits(self, out_hidden, target) -> mx.array:
         if self.draft is not None:  # the N kept rows of the target's lm_head
@@ -214,6 +218,13 @@ class Eagle1Head(nn.Module):
 
     def make_cache(self):
         return TreeKVCache()
+
+    # (its one layer's cache is its whole cache)
+    def cache_layers(self, cache) -> list:
+        return [cache]
+
+    def batch_cache(self, cache):
+        return cache.layers[0]
 
 
 class Eagle3MidLayer(nn.Module):
@@ -252,11 +263,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftHead):
     kind = "eagle3"
 
-    def __init__(self, args: HeadArgs):
-        super().__init__()
+    def __init__(self, args: HeadArgs, source: Optional[HeadSource] = None):
+        super().__init__(source)
         self.args = args
         H = args.hidden_size
         W, n = args.target_width, args.num_aux
@@ -278,7 +289,14 @@ class Eagle3Head(nn.Module):
             self.d2t = mx.zeros((args.draft_vocab_size,), dtype=mx.int64)
 
     feature_size = property(lambda self: self.args.num_aux * self.args.target_width)
+    target_width = property(lambda self: self.args.target_width)
+    declares_target_width = property(lambda self: self.args.target_hidden_size is not None)
+    vocab_size = property(lambda self: self.args.vocab_size)
     draft_vocab_size = property(lambda self: self.args.draft_vocab_size)
+    num_layers = property(lambda self: self.args.num_layers)
+    drafts_batched = property(lambda self: not any(self.args.window(i)
+                                                   for i in range(self.args.num_layers)))
+    aux_layers = property(lambda self: tuple(self.args.aux_layers or ()) or None)
 
     def feature_taps(self, target) -> tuple:
         """The target layers whose inputs the head reads (layer L: the last layer's output)."""

@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from ..errors import EagleError
+from ..errors import EagleError, is_int
 
 # keys a speculators eagle3 config may hold besides the flags this head honours
 _SPECULATORS_META = {
@@ -111,8 +111,8 @@ def _layers_in(weights) -> int:
 def _aux(ids, path: Path, key: str, shift: int) -> Optional[list]:
     if ids is None or ids == []:
         return None
-    if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool)
-                                          and i >= 0 for i in ids) and len(set(ids)) == len(ids)):
+    if not (isinstance(ids, list) and all(is_int(i) and i >= 0 for i in ids)
+            and len(set(ids)) == len(ids)):
         raise EagleError(f"{_where(path)}: \"{key}\" must be a list of distinct layer numbers "
                          f"(got {ids!r}).")
     return [i + shift for i in ids]

@@ -24,11 +24,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..targets.cache import HeadCache
+from .. import mlxlm
 from ..errors import EagleError
-from ..targets.families import PositionedRoPE, RopeContext
+from ..targets.cache import HeadCache
+from ..targets.load import hybrid_overrides, stacked_experts
+from ..targets.families import HYBRID_TYPES, PositionedRoPE, RopeContext, text_config
+from .base import DraftHead, HeadSource
 
-MTP_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 INDEX = "model.safetensors.index.json"
 PREFIX = "mtp."
 _NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
@@ -40,14 +42,10 @@ SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "
                       "BOOL": np.bool_}
 
 
-def text_config(config: dict) -> dict:
-    return config.get("text_config") or config
-
-
 def is_mtp_config(config: dict) -> bool:
     """Whether a config is a model's own (one of the families whose checkpoints carry an
     MTP module), not an EAGLE head's."""
-    return config.get("model_type") in MTP_TYPES and "eagle" not in config
+    return config.get("model_type") in HYBRID_TYPES and "eagle" not in config
 
 
 def safetensors_header(path: Path):
@@ -127,17 +125,13 @@ def read_mtp_weights(folder: Path, shards: Optional[Iterable[str]] = None) -> Di
 
 def _layer_module(config: dict, path: Path):
     """(decoder layer class, mlx-lm args, full-attention layer index) for the family."""
-    from ..targets.load import hybrid_overrides
-
     text = text_config(config)
     text = {**text, **hybrid_overrides(text, path)}
-    from ..mlxlm import model_module
-
     kind = text.get("model_type")
     if kind == "qwen3_next":
-        module = model_module("qwen3_next")
+        module = mlxlm.model_module("qwen3_next")
         return module.Qwen3NextDecoderLayer, module.ModelArgs.from_dict(text)
-    module = model_module("qwen3_5")  # (its text model serves the MoE checkpoints too)
+    module = mlxlm.model_module("qwen3_5")  # (its text model serves the MoE checkpoints too)
     return module.DecoderLayer, module.TextModelArgs.from_dict(text)
 
 
@@ -155,31 +149,19 @@ def sanitize(weights: Dict[str, mx.array], num_experts: int) -> Dict[str, mx.arr
         out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate
         out[f"{prefix}.switch_mlp.up_proj.weight"] = up
         out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
-    pattern = re.compile(r"(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-    groups: Dict[tuple, dict] = {}
-    for k in list(out):
-        m = pattern.fullmatch(k)
-        if m:
-            groups.setdefault((m[1], m[3]), {})[int(m[2])] = out.pop(k)
-    for (prefix, proj), experts in groups.items():
-        if sorted(experts) != list(range(num_experts)):
-            raise EagleError(f"the MTP module's {prefix}.experts.*.{proj} has experts "
-                             f"{sorted(experts)[:4]}..., not 0..{num_experts - 1}.")
-        out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([experts[e] for e in
-                                                              range(num_experts)])
-    return out
+    return stacked_experts(out, num_experts, "the MTP module")
 
 
-class MTPHead(nn.Module):
+class MTPHead(DraftHead):
     kind = "mtp"
-    draft = None
 
-    def __init__(self, config: dict, num_layers: int, own_embedding: bool, path: Path):
-        super().__init__()
+    def __init__(self, config: dict, num_layers: int, own_embedding: bool, path: Path,
+                 source: Optional[HeadSource] = None):
+        super().__init__(source)
         layer_cls, args = _layer_module(config, path)
         H = args.hidden_size
         self.model_type = text_config(config).get("model_type")
-        self.hidden_size, self.vocab_size = H, args.vocab_size
+        self.hidden_size, self.target_vocab = H, args.vocab_size
         self.num_experts = getattr(args, "num_experts", 0)
         if own_embedding:
             self.embed_tokens = nn.Embedding(args.vocab_size, H)
@@ -194,10 +176,8 @@ class MTPHead(nn.Module):
             layer.self_attn.rope = PositionedRoPE(layer.self_attn.rope, self._rope)
 
     feature_size = property(lambda self: self.hidden_size)
-    draft_vocab_size = property(lambda self: self.vocab_size)
-
-    def feature_taps(self, target) -> tuple:
-        return ()  # the post-norm last hidden state
+    vocab_size = draft_vocab_size = property(lambda self: self.target_vocab)
+    num_layers = property(lambda self: len(self.layers))
 
     def __call__(self, features, tokens, embed, cache=None, positions=None, mask=None,
                  fed_back=None):
@@ -222,9 +202,6 @@ class MTPHead(nn.Module):
     def logits(self, out_hidden, target) -> mx.array:
         return target.lm_head(out_hidden)
 
-    def to_target_ids(self, draft_ids: mx.array) -> mx.array:
-        return draft_ids
-
     def make_cache(self):
         return HeadCache(len(self.layers))
 
@@ -235,7 +212,8 @@ def layer_count(config: dict, weights: Dict[str, mx.array]) -> int:
     return n if found == set(range(n)) else -1
 
 
-def build_mtp(config: dict, weights: Dict[str, mx.array], path: Path, converted: bool):
+def build_mtp(config: dict, weights: Dict[str, mx.array], path: Path, converted: bool,
+              layout: Optional[str] = None):
     """An MTPHead from a model config and its `mtp.*` tensors (prefix removed), or from a
     folder `convert` wrote (`converted`: names and values already this module's)."""
     n = layer_count(config, weights)
@@ -246,7 +224,10 @@ def build_mtp(config: dict, weights: Dict[str, mx.array], path: Path, converted:
                          "its config names.")
     from mlx.utils import tree_flatten
 
-    head = MTPHead(config, n, "embed_tokens.weight" in weights, path)
+    text = dict(text_config(config))
+    source = HeadSource(path=path, layout=layout or f"{config.get('model_type')} MTP module",
+                        model_type=text.get("model_type"), config=text)
+    head = MTPHead(config, n, "embed_tokens.weight" in weights, path, source)
     if not converted:
         weights = sanitize(weights, head.num_experts)
     quant = config.get("quantization")
@@ -268,8 +249,4 @@ def build_mtp(config: dict, weights: Dict[str, mx.array], path: Path, converted:
                              f"config implies {tuple(expected[k].shape)}.")
     head.load_weights(list(weights.items()))
     head.eval()
-    head.source_path = path
-    head.config_model_type = head.model_type
-    head.held_out_top1 = None
-    object.__setattr__(head, "mtp_config", dict(text_config(config)))  # not a child module
     return head

@@ -15,8 +15,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..errors import EagleError
+from ..errors import EagleError, is_int
+from .base import HeadSource
 from .eagle import HEAD_CLASSES, HeadArgs
+from .layouts import family_name, translate
+from .mtp import INDEX, build_mtp, is_mtp_config, mtp_shards, read_mtp_weights
 from ..hub import resolve
 from ..targets.load import read_config
 from .torch_pickle import load_torch_checkpoint
@@ -75,9 +78,6 @@ def check_head_config(config: dict, path: Path) -> None:
     def bad(key, what):
         raise EagleError(f"{where}: \"{key}\" must be {what} (got {config[key]!r}).")
 
-    def is_int(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-
     for key in _POSITIVE_INTS:
         if key in config and not (is_int(config[key]) and config[key] > 0):
             bad(key, "a positive whole number")
@@ -128,14 +128,10 @@ def _draft_mapping(weights: Dict[str, mx.array], path: Path) -> None:
 def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=None):
     """Make a head module from a config and checkpoint tensors, checking every key: any
     published layout (`layouts.translate`), or a model checkpoint's MTP module."""
-    from .layouts import translate
-    from .mtp import build_mtp, is_mtp_config
-
     eagle = config.get("eagle")
     if is_mtp_config(config) or (isinstance(eagle, dict) and eagle.get("kind") == "mtp"):
-        head = build_mtp(config, weights, path, converted="eagle" in config)
-        head.layout = (config.get("eagle") or {}).get("layout") or \
-            f"{config.get('model_type')} MTP module"
+        head = build_mtp(config, weights, path, converted="eagle" in config,
+                         layout=(config.get("eagle") or {}).get("layout"))
         if target is not None:
             check_pair(head, target, path)
         return head
@@ -160,7 +156,12 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
         raise EagleError(f"EAGLE-3 head {path} is narrower than its target (target_hidden_size "
                          f"{args.target_hidden_size}, hidden_size {args.hidden_size}), so it needs "
                          "its own embed_tokens.weight, which its checkpoint lacks.")
-    head = HEAD_CLASSES[kind](args)
+    top1 = eagle.get("held_out_top1")
+    source = HeadSource(path=path, layout=layout, made_for=made_for,
+                        model_type=config.get("model_type"), config=config,
+                        held_out_top1=float(top1) if isinstance(top1, (int, float)) and
+                        0 < top1 <= 1 else None)
+    head = HEAD_CLASSES[kind](args, source)
     quant = config.get("quantization")
     if quant:
         nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
@@ -188,13 +189,6 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
                          f"{args.vocab_size} tokens but has neither d2t nor t2d to map them.")
     head.load_weights(list(weights.items()))
     head.eval()
-    head.source_path = path
-    head.layout, head.made_for = layout, made_for
-    # in the official key names, whatever the layout (a plain attribute, not a child)
-    object.__setattr__(head, "config", config)
-    head.config_model_type = config.get("model_type")
-    top1 = eagle.get("held_out_top1")
-    head.held_out_top1 = float(top1) if isinstance(top1, (int, float)) and 0 < top1 <= 1 else None
     if embed is not None and tuple(embed.shape) != (args.vocab_size, args.hidden_size):
         raise EagleError(
             f"embed_tokens.weight in {path} has shape {tuple(embed.shape)}, but the head "
@@ -207,15 +201,11 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
 
 def check_pair(head, target, head_path, embed_shape=None) -> None:
     """Fail loudly, naming both sides, where a head does not fit a target."""
-    from .layouts import family_name
-
     kind = head.kind
     tname = target.path or "the target"
-    a = getattr(head, "args", None)
-    width = a.target_width if a is not None else head.feature_size
-    vocab = a.vocab_size if a is not None else head.vocab_size
+    width, vocab = head.target_width, head.vocab_size
     if width != target.hidden_size:
-        which = "drafts for a target of hidden size" if a is not None and a.target_hidden_size \
+        which = "drafts for a target of hidden size" if head.declares_target_width \
             else "has hidden size"
         raise EagleError(
             f"head {head_path} ({kind}) {which} {width}, but target {tname} "
@@ -226,12 +216,12 @@ def check_pair(head, target, head_path, embed_shape=None) -> None:
             f"head {head_path} ({kind}) has vocab size {vocab}, but target {tname} "
             f"({target.model_type}) has vocab size {target.vocab_size}."
         )
-    made_for = getattr(head, "made_for", None)
+    made_for = head.source.made_for
     if family_name(made_for) and family_name(made_for) != family_name(target.model_type):
         raise EagleError(
-            f"head {head_path} ({getattr(head, 'layout', kind)}) was made for a {made_for} "
+            f"head {head_path} ({head.layout}) was made for a {made_for} "
             f"target, but target {tname} is {target.model_type}.")
-    config_type = getattr(head, "config_model_type", None)
+    config_type = head.source.model_type
     if kind == "mtp" and family_name(config_type) != family_name(target.model_type):
         raise EagleError(
             f"MTP module {head_path} belongs to a {config_type} model, but target {tname} is "
@@ -250,8 +240,8 @@ def check_pair(head, target, head_path, embed_shape=None) -> None:
             f"embeds {target.vocab_size} x {target.hidden_size}."
         )
     if kind == "eagle3":
-        if a.aux_layers:
-            bad = [i for i in a.aux_layers if i > target.num_layers]
+        if head.aux_layers:
+            bad = [i for i in head.aux_layers if i > target.num_layers]
             if bad:
                 raise EagleError(
                     f"EAGLE-3 head {head_path} reads target layer {bad[0]} (the hidden state "
@@ -273,7 +263,6 @@ def read_head(path_or_repo: str) -> Tuple[dict, Dict[str, mx.array], Path]:
     if not isinstance(path_or_repo, (str, Path)):
         raise EagleError(f"the EAGLE head must be a folder or a Hugging Face repo id, given as a "
                          f"string (got {type(path_or_repo).__name__}).")
-    from .mtp import INDEX, is_mtp_config, mtp_shards, read_mtp_weights
 
     # the config first: a model checkpoint's MTP module is read from the shards holding it
     path = resolve(path_or_repo, "EAGLE head", allow_patterns=["config.json", INDEX])

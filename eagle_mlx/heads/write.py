@@ -24,15 +24,14 @@ _OPTIONS_DEFAULTS = {f.name: f.default for f in fields(HeadArgs) if f.name in (
 
 
 def head_config(head, source_config: dict) -> dict:
-    if head.kind == "mtp":  # the model's text config: what rebuilds the module's layer
-        config = {k: v for k, v in head.mtp_config.items() if k != "quantization"}
-        width, vocab = head.feature_size, head.vocab_size
-    else:
-        source = getattr(head, "config", None) or source_config  # (read from any layout)
-        config = {k: v for k, v in source.items()
-                  if k not in ("eagle", "quantization", "eagle3_options")}
+    # an MTP module's source config is the model's text config: what rebuilds its layer;
+    # an EAGLE head's is in the official key names, whatever the layout it was read from
+    source = head.source.config or source_config
+    config = {k: v for k, v in source.items()
+              if k not in ("eagle", "quantization", "eagle3_options")}
+    width, vocab = head.target_width, head.vocab_size
+    if head.kind != "mtp":
         a = head.args
-        width, vocab = a.target_width, a.vocab_size
         if head.kind == "eagle3":
             options = {k: getattr(a, k) for k, d in _OPTIONS_DEFAULTS.items()
                        if getattr(a, k) != d}
@@ -47,11 +46,11 @@ def head_config(head, source_config: dict) -> dict:
         "feature_size": head.feature_size,
         "target_min_layers": EAGLE3_MIN_TARGET_LAYERS if head.kind == "eagle3" else 1,
     }
-    layout = getattr(head, "layout", None)
+    layout = head.source.layout
     if layout and layout != "eagle_mlx":
         config["eagle"]["layout"] = layout
-    if getattr(head, "made_for", None):
-        config["eagle"]["made_for"] = head.made_for
+    if head.source.made_for:
+        config["eagle"]["made_for"] = head.source.made_for
     top1 = (source_config.get("eagle") or {}).get("held_out_top1")
     if top1 is not None:  # what its trainer measured: acceptance far below it means a mismatch
         config["eagle"]["held_out_top1"] = top1

@@ -4,6 +4,8 @@ Full-attention layers keep every position (`TreeKVCache`); sliding-window layers
 window of the latest positions plus room for what is appended next (`WindowKVCache`).
 """
 
+from typing import Optional
+
 import mlx.core as mx
 
 from ..mlxlm import ArraysCache, KVCache, create_causal_mask
@@ -456,10 +458,36 @@ class BatchRecurrentCache:
 
 class BatchHeadCache:
     """A batch of draft heads' caches, one `RaggedKVCache` per head layer (rows aligned
-    with the batch's rows): what `draft_dynamic_batch` drafts against."""
+    with the batch's rows): what `draft_dynamic_batch` drafts against. A sequence's own
+    head caches (one per layer, None: a row without a head) move in when it joins and out
+    when it leaves or drafts on its own."""
 
     def __init__(self, layers: int):
         self.layers = [RaggedKVCache() for _ in range(layers)]
+
+    def join(self, own: Optional[list]) -> None:
+        """Add a row: a sequence's own head caches."""
+        for i, c in enumerate(self.layers):
+            c.extend(None if own is None else own[i])
+
+    def copy_out(self, b: int, own: list) -> None:
+        """Row b into the sequence's own head caches (it leaves, or drafts on its own)."""
+        for mine, c in zip(own, self.layers):
+            if c.lengths[b] == 0:
+                mine.keys = mine.values = None
+                mine.offset = 0
+                continue
+            row = c.extract(b)
+            mine.keys, mine.values, mine.offset = row.keys, row.values, row.offset
+
+    def copy_in(self, b: int, own: list) -> None:
+        """Row b replaced by the sequence's own head caches (after it drafted on its own)."""
+        for mine, c in zip(own, self.layers):
+            c.set_row(b, mine)
+
+    def filter(self, rows) -> None:
+        for c in self.layers:
+            c.filter(rows)
 
     def arrays(self):
         return tuple(a for c in self.layers for a in c.arrays())

@@ -27,9 +27,14 @@ import mlx.nn as nn
 
 from .cache import BatchRecurrentCache, RaggedKVCache, RecurrentCache, TreeKVCache, \
     WindowKVCache
+from .. import mlxlm
 from ..errors import EagleError
 from .layers import apply_rope, attention
 
+
+def text_config(config: dict) -> dict:
+    """The language model's config: a multimodal checkpoint's `text_config`, else the whole."""
+    return config.get("text_config") or config
 
 class Forward:
     """What one target forward shares across its layers: the tokens' positions, the mask
@@ -160,19 +165,17 @@ def _delta_rounds(attn, windows, z, b, a, start, parent, rounds):
     node's convolution window given [N, K, conv_dim] and its parent's state read from
     concat(start, states)[parent] (start: the cached states the roots follow). Returns
     (normed output [N, 1, Hv*Dv], every node's state)."""
-    from ..mlxlm import gated_delta_update, normalize_qk
-
     N = windows.shape[0]
     conv = nn.silu(attn.conv1d(windows))                                 # [N, 1, conv_dim]
     q, k, v = [t.reshape(N, 1, h, d) for t, h, d in zip(
         mx.split(conv, [attn.key_dim, 2 * attn.key_dim], -1),
         [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
         [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim])]
-    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim ** -0.5, eps=1e-6)
+    q, k = mlxlm.normalize_qk(q, k, inv_scale=attn.head_k_dim ** -0.5, eps=1e-6)
     states = mx.broadcast_to(start[:1], (N, *start.shape[1:]))
     for _ in range(rounds):
         incoming = mx.concatenate([start, states])[parent]
-        out, states = gated_delta_update(q, k, v, a[:, None], b[:, None], attn.A_log,
+        out, states = mlxlm.gated_delta_update(q, k, v, a[:, None], b[:, None], attn.A_log,
                                          attn.dt_bias, incoming)
     return attn.norm(out, z[:, None]), states
 
@@ -266,7 +269,7 @@ class Family:
         return self.lm.model
 
     def text_config(self) -> dict:
-        return self.config.get("text_config") or self.config
+        return text_config(self.config)
 
     @property
     def softcap(self) -> Optional[float]:
@@ -385,10 +388,8 @@ class Ministral3Family(LayerCallFamily):
         return windows == _layer_type_windows(self.inner.layer_types, self.inner.sliding_window)
 
     def embed(self, target, tokens, fwd):
-        from ..mlxlm import model_module
-
         args = self.inner.args.rope_parameters
-        scale = model_module("ministral3")._get_llama_4_attn_scale
+        scale = mlxlm.model_module("ministral3")._get_llama_4_attn_scale
         beta, length = args["llama_4_scaling_beta"], args["original_max_position_embeddings"]
         if fwd.positions is None:
             fwd.extra = scale(fwd.T, fwd.n, beta, length)
@@ -474,13 +475,16 @@ class HybridFamily(LayerCallFamily):
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+# the Gated DeltaNet hybrids (transformers' text-only names too); their checkpoints carry
+# MTP modules
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
 FAMILIES = {
     "llama": Family, "mistral": Family, "mixtral": Family, "qwen2": Family, "qwen3": Family,
     "qwen3_moe": Family, "gpt_oss": LayerCallFamily, "gemma3_text": Gemma3Family,
     "gemma3": Gemma3Family, "gemma4_text": Gemma4Family, "gemma4": Gemma4Family,
     "ministral3": Ministral3Family, "mistral3": Ministral3Family,
-    "qwen3_5": HybridFamily, "qwen3_5_moe": HybridFamily, "qwen3_next": HybridFamily,
-    "qwen3_5_text": HybridFamily, "qwen3_5_moe_text": HybridFamily,  # (transformers' text-only)
+    **{t: HybridFamily for t in HYBRID_TYPES},
 }
 
 
@@ -510,13 +514,12 @@ def untruncated_yarn(family: Family) -> None:
     params = text.get("rope_scaling") or text.get("rope_parameters") or {}
     if params.get("rope_type", params.get("type")) != "yarn" or params.get("truncate", True):
         return
-    from ..mlxlm import YarnRoPE
 
     base = params.get("rope_theta", text.get("rope_theta", 10000.0))
     factor, length = params["factor"], params.get("original_max_position_embeddings", 4096)
     for attn in attention_modules(family):
         rope = getattr(attn.rope, "rope", attn.rope)
-        if not isinstance(rope, YarnRoPE):
+        if not isinstance(rope, mlxlm.YarnRoPE):
             continue
         dims = rope.dims
 

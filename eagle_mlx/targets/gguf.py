@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import mlxlm
 from ..errors import EagleError, reason
 
 # ggml tensor types: name, elements per block, bytes per block
@@ -546,9 +547,7 @@ def _packed_as(path: str, module: nn.Module, weights: Dict[str, mx.array]) -> di
 def build_model(config: dict, weights: Dict[str, mx.array], rope_factors=None) -> nn.Module:
     """An mlx-lm model from a config and its weights, quantizing exactly the layers whose
     weights come with scales (each with its own bits)."""
-    from ..mlxlm import model_module
-
-    arch = model_module(config["model_type"])
+    arch = mlxlm.model_module(config["model_type"])
     model = arch.Model(arch.ModelArgs.from_dict(config))
     weights = model.sanitize(dict(weights))
     nn.quantize(model, group_size=32, bits=4,
@@ -625,7 +624,6 @@ def _merges_from_scores(tokens: List[str], scores: List[float]) -> List[Tuple[st
 
 def build_tokenizer(meta: dict, path: Path):
     """mlx-lm's TokenizerWrapper for the vocabulary in the GGUF metadata."""
-    from ..mlxlm import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -660,7 +658,7 @@ def build_tokenizer(meta: dict, path: Path):
             raise EagleError(f"GGUF file {path} uses the pre-tokenizer '{pre}', which is not "
                              f"supported; supported: {', '.join(known)}.")
         tok.decoder = decoders.ByteLevel()
-        detokenizer = BPEStreamingDetokenizer
+        detokenizer = mlxlm.BPEStreamingDetokenizer
         control = [t for t, k in zip(tokens, types) if k == CONTROL and set(t) <= alphabet]
         add_bos_default = False
     elif kind == "llama":
@@ -676,8 +674,8 @@ def build_tokenizer(meta: dict, path: Path):
             replacement="▁", prepend_scheme="first" if prefix else "never", split=False)
         steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
-        detokenizer = SPMStreamingDetokenizer if prefix else \
-            (lambda t: SPMStreamingDetokenizer(t, trim_space=False))
+        detokenizer = mlxlm.SPMStreamingDetokenizer if prefix else \
+            (lambda t: mlxlm.SPMStreamingDetokenizer(t, trim_space=False))
         control = [t for t, k in zip(tokens, types) if k == CONTROL]
         add_bos_default = True
     else:
@@ -705,7 +703,7 @@ def build_tokenizer(meta: dict, path: Path):
         hf.chat_template = template
     eos_ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                  "tokenizer.ggml.eom_token_id") if isinstance(meta.get(k), int)]
-    return TokenizerWrapper(hf, detokenizer, eos_token_ids=sorted(set(eos_ids)))
+    return mlxlm.TokenizerWrapper(hf, detokenizer, eos_token_ids=sorted(set(eos_ids)))
 
 
 # ---------------------------------------------------------------------------- entry point

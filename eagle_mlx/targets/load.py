@@ -9,15 +9,18 @@ stacking), chooses the dtype the weights are computed in, and shards across
 
 import glob
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import mlxlm
 from ..errors import EagleError, reason
 from ..hub import resolve
 from .dtypes import DTYPE_CHOICES
+from .families import HYBRID_TYPES, text_config
 from .gguf import find_gguf, load_gguf
 from .target import SUPPORTED_MODEL_TYPES, Target
 
@@ -114,17 +117,14 @@ def _period(types: list, other: str, family: str, path: Path) -> int:
     return p
 
 
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def hybrid_overrides(text: dict, path: Path) -> dict:
     """Qwen3.5 / Qwen3-Next: transformers >= 5 writes `layer_types` (linear_attention /
     full_attention) instead of `full_attention_interval`, and Qwen3-Next's RoPE settings in
     `rope_parameters`; mlx-lm reads the interval and the classic keys."""
-    from ..mlxlm import TEXT_ONLY_TYPES
-
     kind = text.get("model_type")
-    out = {"model_type": TEXT_ONLY_TYPES[kind]} if kind in TEXT_ONLY_TYPES else {}
+    out = {"model_type": mlxlm.TEXT_ONLY_TYPES[kind]} if kind in mlxlm.TEXT_ONLY_TYPES else {}
     types = text.get("layer_types")
     if types and "full_attention_interval" not in text:
         out["full_attention_interval"] = _period(types, "linear_attention", "Qwen3.5 / Qwen3-Next",
@@ -161,9 +161,7 @@ def _model_classes(config: dict):
     """mlx-lm's model class for a config, as its loader picks it; gpt-oss also reads the
     float layout transformers saves (its experts' fused [E, H, 2I] `gate_up_proj`), which
     mlx-lm's `sanitize` takes only in OpenAI's MXFP4 layout or already converted."""
-    from ..mlxlm import model_module
-
-    module = model_module(config["model_type"])
+    module = mlxlm.model_module(config["model_type"])
     if config["model_type"] == "qwen3_5_moe":
         class MoeModel(module.Model):
             def sanitize(self, weights):
@@ -180,12 +178,12 @@ def _model_classes(config: dict):
     return Model, module.ModelArgs
 
 
-def stacked_experts(weights: dict) -> dict:
+def stacked_experts(weights: dict, num_experts: Optional[int] = None,
+                    what: str = "the checkpoint") -> dict:
     """transformers' per-expert MoE weights (`mlp.experts.<i>.<proj>.weight`, which it saves
     for Qwen3.5-MoE) stacked as mlx-lm's `mlp.switch_mlp.<proj>.weight` [E, out, in]; the
-    fused layouts of the Hub's checkpoints pass through for mlx-lm's own `sanitize`."""
-    import re
-
+    fused layouts of the Hub's checkpoints pass through for mlx-lm's own `sanitize`.
+    num_experts: where given, each projection must have experts 0..num_experts-1."""
     pattern = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
     groups, out = {}, {}
     for k, v in weights.items():
@@ -195,7 +193,11 @@ def stacked_experts(weights: dict) -> dict:
         else:
             out[k] = v
     for (prefix, proj), experts in groups.items():
-        out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([experts[i] for i in sorted(experts)])
+        ids = sorted(experts)
+        if num_experts is not None and ids != list(range(num_experts)):
+            raise EagleError(f"{what}'s {prefix}.experts.*.{proj} has experts {ids[:4]}..., "
+                             f"not 0..{num_experts - 1}.")
+        out[f"{prefix}.switch_mlp.{proj}.weight"] = mx.stack([experts[i] for i in ids])
     return out
 
 
@@ -290,8 +292,6 @@ def convert_dtype(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
     dequantized weights are exact before the cast."""
     from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-    from .. import mlxlm
-
     quantized = [name for name, m in model.named_modules() if hasattr(m, "scales")]
     if quantized:
         params = dict(tree_flatten(model.parameters()))
@@ -326,8 +326,6 @@ def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = No
         # a target converted to floats takes every tensor's exact values
         model, config, tokenizer = load_gguf(gguf_file, requantize=convert_to is None)
     else:
-        from .. import mlxlm
-
         # not a repo's original/ checkpoints
         path = resolve(path_or_repo, "model", allow_patterns=mlxlm.DEFAULT_ALLOW_PATTERNS)
         model, config, tokenizer = _load_mlx_lm(path, lazy or group is not None)
@@ -341,18 +339,18 @@ def load_target(path_or_repo: str, lazy: bool = False, dtype: Optional[str] = No
 
 
 def _load_mlx_lm(path: Path, lazy: bool):
-    from ..mlxlm import load_model, load_tokenizer
 
     config = read_config(path)
     check_config(config, path)
     _check_weight_files(path)
     try:
-        model, config = load_model(path, lazy=lazy, model_config=_config_overrides(config, path),
+        model, config = mlxlm.load_model(path, lazy=lazy,
+                                         model_config=_config_overrides(config, path),
                                    get_model_classes=_model_classes)
     except Exception as e:  # mlx-lm raises ValueError/KeyError/RuntimeError on bad weights
         raise EagleError(f"could not load the weights in {path}: {reason(e)}") from None
     try:
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        tokenizer = mlxlm.load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
         raise EagleError(f"could not load the tokenizer in {path}: {reason(e)}") from None
     return model, config, tokenizer
@@ -365,7 +363,7 @@ def shard(model, config: dict, g: mx.distributed.Group, path) -> None:
         raise EagleError(f"mlx-lm cannot shard {config.get('model_type')} models ({path}) "
                          "across machines; it shards Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, "
                          "gpt-oss, Ministral 3 and Qwen3.5 (dense and MoE).")
-    text = config.get("text_config") or config  # (a multimodal checkpoint's language model)
+    text = text_config(config)
     heads = text["num_attention_heads"]
     kv = text.get("num_key_value_heads") or heads
     inter = text.get("intermediate_size") or 0

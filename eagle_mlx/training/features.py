@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import EagleError
+from ..heads.mtp import SAFETENSORS_DTYPES, safetensors_header
 
 FORMAT = "eagle_mlx-features-1"
 INDEX = "index.json"
@@ -44,8 +45,6 @@ def read_index(out: Path, flag: str = "--out"):
 
 def map_safetensors(path: Path) -> Dict[str, np.ndarray]:
     """Every tensor of a safetensors file as a read-only view of the mapped file."""
-    from ..heads.mtp import SAFETENSORS_DTYPES, safetensors_header
-
     try:
         header, start = safetensors_header(path)
         data = np.memmap(path, dtype=np.uint8, mode="r", offset=start)
@@ -64,7 +63,6 @@ class FeatureShards:
     """The conversations of one or more feature folders, folder by folder in shard order,
     each readable by number. Every folder must hold the features of the same target and the
     same tap layers; `limit` keeps the first conversations of that order."""
-
     def __init__(self, folders, target=None, limit: Optional[int] = None):
         if isinstance(folders, (str, Path)):
             folders = [folders]
