@@ -1,4 +1,5 @@
-"""The package reaches mlx-lm through one module, and only through public names."""
+"""The package reaches mlx-lm through one module: public names, and the private members that
+module lists (each behind a function of its own)."""
 
 import ast
 from pathlib import Path
@@ -39,3 +40,79 @@ def test_the_boundary_names_only_public_mlx_lm_names_and_each_exists():
     for model_type in SUPPORTED_MODEL_TYPES:
         arch = mlxlm.model_module(model_type)
         assert hasattr(arch, "Model") and hasattr(arch, "ModelArgs")
+
+
+def _private_accesses(path: Path, own: set):
+    """`x._name` (and getattr/setattr/hasattr with a "_name") on anything but the module's
+    own objects: `self`, `cls`, or a class or module of the package."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            name, base = node.attr, node.value
+            if isinstance(base, ast.Name) and (base.id in ("self", "cls") or base.id in own):
+                continue
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in \
+                ("getattr", "setattr", "hasattr") and len(node.args) >= 2 and \
+                isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            name = node.args[1].value
+        else:
+            continue
+        if name.startswith("_") and not name.startswith("__"):
+            yield node.lineno, ast.unparse(node), name
+
+
+def test_private_members_of_other_libraries_only_through_the_boundary():
+    files = sorted(PACKAGE.rglob("*.py"))
+    own = {"eagle_mlx"} | {n.name for p in files for n in ast.walk(ast.parse(p.read_text()))
+                           if isinstance(n, ast.ClassDef)}
+    allowed = {"os._exit"}  # the standard library's exit without cleanup
+    offenders = [f"{p.relative_to(PACKAGE)}:{line} {text}" for p in files
+                 if p.name != "mlxlm.py" for line, text, _ in _private_accesses(p, own)
+                 if text not in allowed]
+    assert not offenders, offenders
+    # every private member the boundary reaches is listed there with why
+    listed = " ".join(mlxlm.PRIVATE)
+    reached = {name for _, _, name in _private_accesses(PACKAGE / "mlxlm.py", set())}
+    assert reached and all(name in listed for name in reached), (reached, listed)
+
+
+GROUND = {"errors", "mlxlm", "outputs", "hub"}
+# what each layer may import besides the ground modules and itself
+BELOW = {"targets": set(), "heads": {"targets"}, "decoding": {"targets"},
+         "training": {"targets", "heads"}}
+
+
+def _package_imports(path: Path):
+    """(line, imported module relative to the package: 'targets.cache', 'errors', ...)."""
+    here = path.relative_to(PACKAGE).with_suffix("").parts
+    package = list(here[:-1])
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            base = package[: len(package) - (node.level - 1)]
+            if node.module:
+                yield node.lineno, ".".join(base + [node.module])
+            else:
+                yield from ((node.lineno, ".".join(base + [a.name])) for a in node.names)
+        elif isinstance(node, (ast.ImportFrom, ast.Import)):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names]
+            for name in names:
+                if name and name.split(".")[0] == "eagle_mlx":
+                    yield node.lineno, name.partition(".")[2]
+
+
+def test_layers_import_downhill():
+    """ground <- targets <- heads, decoding <- training <- the API and tools: no module
+    imports from a layer above its own (nor heads and decoding from each other)."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        layer = parts[0] if len(parts) > 1 else ("ground" if parts[0] in GROUND else None)
+        if layer is None:
+            continue  # the API, the CLI and the tools may import anything below them
+        allowed = GROUND | ({layer} | BELOW[layer] if layer != "ground" else set())
+        for line, module in _package_imports(path):
+            top = module.split(".")[0]
+            if module and top not in allowed:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{line} imports {module}")
+    assert not offenders, offenders

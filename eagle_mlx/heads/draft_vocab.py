@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .. import mlxlm
 from ..errors import EagleError, is_int
 from ..outputs import atomic_file, user_cache
 
@@ -44,10 +45,10 @@ def count_tokens(tokenizer, conversations, vocab_size: int) -> np.ndarray:
     per reply): what a draft of answers needs."""
     texts = [m["content"] for c in conversations for m in c if m["role"] == "assistant"]
     counts = np.zeros(vocab_size, dtype=np.int64)
-    fast = getattr(tokenizer, "_tokenizer", None)
+    fast = mlxlm.batch_encoder(tokenizer)
     for start in range(0, len(texts), 256):
         chunk = texts[start:start + 256]
-        if callable(fast):
+        if fast is not None:
             encoded = fast(chunk, add_special_tokens=False)["input_ids"]
         else:
             encoded = [tokenizer.encode(t, add_special_tokens=False) for t in chunk]

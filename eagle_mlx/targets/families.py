@@ -389,7 +389,7 @@ class Ministral3Family(LayerCallFamily):
 
     def embed(self, target, tokens, fwd):
         args = self.inner.args.rope_parameters
-        scale = mlxlm.model_module("ministral3")._get_llama_4_attn_scale
+        scale = mlxlm.llama4_attn_scale()
         beta, length = args["llama_4_scaling_beta"], args["original_max_position_embeddings"]
         if fwd.positions is None:
             fwd.extra = scale(fwd.T, fwd.n, beta, length)
@@ -415,8 +415,7 @@ class Gemma4Family(LayerCallFamily):
         inner = self.inner
         h = inner.embed_tokens(tokens) * inner.embed_scale
         if inner.hidden_size_per_layer_input:
-            per_layer = inner._get_per_layer_inputs(tokens)
-            per_layer = inner._project_per_layer_inputs(h, per_layer)
+            per_layer = mlxlm.gemma4_per_layer_inputs(inner, tokens, h)
             fwd.extra = [per_layer[:, :, i, :] for i in range(len(inner.layers))]
         return h
 
@@ -533,7 +532,7 @@ def untruncated_yarn(family: Family) -> None:
         extra = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
         inter = factor * extra
         keep = 1.0 - ramp
-        rope._freqs = (inter * extra) / (inter * keep + extra * (1 - keep))
+        mlxlm.set_rope_freqs(rope, (inter * extra) / (inter * keep + extra * (1 - keep)))
 
 
 def install_positions(family: Family, context: RopeContext) -> None:
