@@ -35,6 +35,9 @@ def build_parser() -> ArgumentParser:
                                   "whose MTP module to write out as a head)")
     p.add_argument("--mlx-path", required=True,
                    help="output folder for the MLX head (for the target, without --eagle)")
+    p.add_argument("--layout", choices=["mlx", "speculators"], default="mlx",
+                   help="how to write the head: an MLX folder (default), or vLLM speculators' "
+                        "layout (EAGLE-3 heads; what vLLM, SGLang and mlx-vlm read)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast the weights")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize the linear layers")
     p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 6, 8])
@@ -83,6 +86,9 @@ def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     if not args.eagle and not args.model:
         raise UsageError("give --eagle (a head to convert), --model (a target to convert), or both.")
+    if args.layout == "speculators" and (not args.eagle or args.quantize):
+        raise UsageError("--layout speculators writes a head (--eagle) in PyTorch-side tensors, "
+                         "which MLX's quantization (-q) is not.")
     out = check_new_dir(args.mlx_path, "--mlx-path")
     model_out = (Path(args.model_mlx_path or f"{out}-target") if args.eagle else out) \
         if args.model else None
@@ -91,7 +97,7 @@ def _main(argv) -> int:
         if model_out.absolute() == out.absolute():
             raise EagleError("--model-mlx-path must differ from --mlx-path.")
     from .heads.read import build_head, read_head
-    from .heads.write import save_head
+    from .heads.write import export_speculators, save_head, speculators_config
 
     head = target = None
     if args.eagle:
@@ -102,6 +108,8 @@ def _main(argv) -> int:
         target, tokenizer = load_target(args.model, lazy=True, dtype="stored")
     if args.eagle:
         head = build_head(config, weights, path, target)
+        if args.layout == "speculators":
+            speculators_config(head)  # (a head the layout cannot hold: refused before writing)
     from .cli import started
 
     started()  # writing: Ctrl-C now cleans up what is half-written
@@ -119,8 +127,12 @@ def _main(argv) -> int:
             atomic_dir(model_out, write_target)
     if head is not None:
         try:
-            save_head(head, config, out, dtype=args.dtype,
-                      q_bits=args.q_bits if args.quantize else None, q_group_size=args.q_group_size)
+            if args.layout == "speculators":
+                export_speculators(head, target, out, dtype=args.dtype)
+            else:
+                save_head(head, config, out, dtype=args.dtype,
+                          q_bits=args.q_bits if args.quantize else None,
+                          q_group_size=args.q_group_size)
         except BaseException:
             if model_out is not None and model_out != out:
                 import shutil

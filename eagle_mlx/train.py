@@ -36,7 +36,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .heads.write import export_head, save_head
+from .heads.write import export_head, export_speculators, save_head
 from .cli import ArgumentParser, UsageError, add_dtype_arg, run_cli, started
 from .training.data import load_conversations, render
 from .errors import EagleError
@@ -655,6 +655,9 @@ def build_parser():
                                        "kind trained, for this target; a quantized head is "
                                        "dequantized)")
     p.add_argument("--export", help="also write the head in the published PyTorch-side layout here")
+    p.add_argument("--layout", choices=["official", "speculators"], default="official",
+                   help="the layout --export writes: the official EAGLE one (default) or vLLM "
+                        "speculators' (EAGLE-3 heads; what vLLM, SGLang and mlx-vlm read)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -726,6 +729,9 @@ def check_paths(args) -> Path:
         check_new_dir(out, "--out")
     if args.export:
         check_new_dir(args.export, "--export")
+    if args.layout == "speculators" and (args.kind != "eagle3" or not args.export):
+        raise UsageError("--layout speculators is the layout --export writes an EAGLE-3 head in "
+                         "(--kind eagle3 --export DIR).")
     if args.cache_features:
         cache = Path(args.cache_features).expanduser()
         if cache.exists() and not cache.is_dir():
@@ -786,8 +792,12 @@ def _main(argv):
     print(f"trained {trainer.step} steps in {seconds:.0f} s: held-out loss {final['eval_loss']:.4f}, "
           f"draft top-1 accuracy {final['eval_acc']:.3f}; head in {out / 'head'}")
     if args.export:
-        export_head(trainer.head, trainer.config, target, Path(args.export).expanduser())
-        print(f"exported the PyTorch-side layout to {args.export}")
+        dest = Path(args.export).expanduser()
+        if args.layout == "speculators":
+            export_speculators(trainer.head, target, dest)
+        else:
+            export_head(trainer.head, trainer.config, target, dest)
+        print(f"exported the {args.layout} layout to {args.export}")
     return 0
 
 

@@ -36,7 +36,9 @@ def world(tmp_path_factory):
                            vocab_size=64, scale=4.0, max_position_embeddings=128)
     head = make_eagle_head(root / "head", target, "eagle1", seed=1)
     for name, change in (("head_eagle_yes", {"eagle": "yes"}),
-                         ("head_hidden_big", {"hidden_size": "big"})):
+                         ("head_hidden_big", {"hidden_size": "big"}),
+                         ("head_rope_longrope", {"rope_scaling": {"rope_type": "longrope",
+                                                                  "factor": 4.0}})):
         folder = root / name
         folder.mkdir()
         config = json.loads((head / "config.json").read_text())
@@ -116,6 +118,8 @@ CASES = [
      '"eagle" must be an object'),
     ("generate", ["--model", "{T}", "--eagle", "{R}/head_hidden_big", "--prompt", "t5"], 1,
      '"hidden_size" must be a positive whole number'),
+    ("generate", ["--model", "{T}", "--eagle", "{R}/head_rope_longrope", "--prompt", "t5"], 1,
+     '"rope_scaling" is of type \'longrope\', which eagle_mlx\'s heads do not compute'),
     ("generate", ["--model", "{T}", "--eagle", "{R}/head_spec_flag", "--prompt", "t5"], 1,
      '"norm_before_attn" is not one this head knows'),
     ("generate", ["--model", "{T}", "--eagle", "{R}/qwen35_no_mtp", "--prompt", "t5"], 1,

@@ -59,7 +59,7 @@ def test_ragged_cache_attends_and_keeps_as_each_sequence_alone():
         ak, av = alone[b].update_and_fetch(k[b: b + 1, :, :n], v[b: b + 1, :, :n])
         ref = attend(q[b: b + 1, :, :n], ak, av, "causal")
         np.testing.assert_allclose(np.array(out[b: b + 1, :, :n]), np.array(ref), atol=1e-5)
-    batch.commit([list(range(n)) for n in lengths])
+    batch.keep([list(range(n)) for n in lengths])
     for _ in range(2):
         sizes = [int(rng.integers(1, 7)) for _ in range(B)]
         T = max(sizes)
@@ -81,7 +81,7 @@ def test_ragged_cache_attends_and_keeps_as_each_sequence_alone():
             ref = attend(q[b: b + 1, :, :n], ak, av, mask)
             np.testing.assert_allclose(np.array(out[b: b + 1, :, :n]), np.array(ref), atol=1e-5)
             alone[b].keep(start, mx.array([start + i for i in kept[b]]))
-        batch.commit(kept)
+        batch.keep(kept)
         for b in range(B):
             bk, bv = batch.row(b)
             n = alone[b].offset
@@ -100,7 +100,7 @@ def test_a_row_taken_out_of_the_batch_holds_none_of_the_batch():
     batch = RaggedKVCache([0] * B)
     k = mx.random.normal((B, H, T, D))
     batch.update_and_fetch(k, k)
-    batch.commit([list(range(T))] * B)
+    batch.keep([list(range(T))] * B)
     mx.eval(batch.keys, batch.values)
     del k
     gc.collect()

@@ -182,6 +182,93 @@ def test_speculators_heads_decode_as_plain(tmp_path, target_dir):
                                     n=24)
 
 
+def _first_step_logits(head, target, feats, ids):
+    out = head(mx.array(feats[None]), mx.array([ids]), target.embed_tokens, head.make_cache(),
+               fed_back=False)
+    return np.array(head.logits(out[0], target))
+
+
+def _probe(head, target, seed=2, n=12):
+    rng = np.random.default_rng(seed)
+    feats = rng.standard_normal((n, head.feature_size)).astype(np.float32)
+    return feats, rng.integers(3, target.vocab_size, n).tolist()
+
+
+def test_speculators_head_of_its_targets_width_without_embedding_borrows_the_targets(
+        tmp_path, target_dir):
+    """A speculators head that names target_hidden_size equal to its own width and ships
+    no embed_tokens (it drafts with the target's) loads, and its logits are speculators'."""
+    speculators_or_skip()
+    from safetensors.numpy import load_file, save_file
+
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    folder = tmp_path / "head"
+    model = make_speculators_head(folder, target_dir, dict(target_hidden_size=tcfg["hidden_size"]),
+                                  seed=4)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["embed_tokens.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["target_hidden_size"] == tcfg["hidden_size"]
+    target, _ = load_target(str(target_dir))
+    head = load_head(str(folder), target)
+    feats, ids = _probe(head, target)
+    ref, _ = speculators_logits(model, feats, ids)  # (its embedding: a copy of the target's)
+    np.testing.assert_allclose(_first_step_logits(head, target, feats, ids), ref[0], atol=1e-4,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("name", ["two_layers_qwen3", "draft_vocab+aux_ids", "sliding_layers"])
+def test_heads_written_in_the_speculators_layout_are_read_by_speculators(tmp_path, target_dir,
+                                                                        name):
+    """convert --layout speculators: speculators' own config class reads the config, its
+    model takes every tensor (only the verifier's own weights are not in a head), and its
+    forward gives the logits of the head it was written from; read back here, the same."""
+    speculators_or_skip()
+    import torch
+    from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    model = make_speculators_head(tmp_path / "head", target_dir, SPECULATORS_VARIANTS[name],
+                                  seed=5)
+    out = tmp_path / "written"
+    from eagle_mlx.convert import main as convert
+
+    assert convert(["--eagle", str(tmp_path / "head"), "--layout", "speculators",
+                    "--model", str(target_dir), "--mlx-path", str(out)]) == 0
+    config = Eagle3SpeculatorConfig.from_pretrained(str(out))
+    config.transformer_layer_config._attn_implementation = "eager"
+    theirs = Eagle3DraftModel(config)
+    missing, unexpected = theirs.load_state_dict(load_file(str(out / "model.safetensors")),
+                                                 strict=False)
+    assert not unexpected and all(k.startswith("verifier_") for k in missing), missing
+    theirs.eval()
+    target, _ = load_target(str(target_dir))
+    head = load_head(str(out), target)
+    feats, ids = _probe(head, target)
+    ref, _ = speculators_logits(model, feats, ids)
+    written, _ = speculators_logits(theirs, feats, ids)
+    np.testing.assert_allclose(written, ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(_first_step_logits(head, target, feats, ids), ref[0], atol=1e-4,
+                               rtol=0)
+    with torch.no_grad():
+        assert torch.equal(theirs.embed_tokens.weight, model.embed_tokens.weight)
+
+
+def test_the_speculators_layout_refuses_what_it_cannot_hold(tmp_path, target_dir, capsys):
+    """An EAGLE-1 head, and -q (MLX's quantization), are refused in one sentence, nothing
+    written."""
+    from eagle_mlx.convert import main as convert
+
+    head = make_eagle_head(tmp_path / "e1", target_dir, seed=6)
+    for extra in ([], ["-q"]):
+        out = tmp_path / f"out{len(extra)}"
+        code = convert(["--eagle", str(head), "--layout", "speculators",
+                        "--model", str(target_dir), "--mlx-path", str(out), *extra])
+        err = capsys.readouterr().err.strip()
+        assert code != 0 and "speculators" in err and "\n" not in err and not out.exists(), err
+
+
 def write_specforge(official, out, aux_ids):
     """The same head as SpecForge writes it: flat config, eagle_config's aux ids (a layer's
     output), target_model_type; the official tensors."""

@@ -189,7 +189,7 @@ def draft_dynamic_batch(head, target, cache: BatchHeadCache, features, tokens, r
     out = head(mx.stack(feats), mx.stack(toks), embed, head_cache, positions=positions,
                mask=layers[0].mask(None, M), fed_back=False)
     for c in layers:
-        c.commit([list(range(n)) for n in m])
+        c.keep([list(range(n)) for n in m])
     stable = layers[0].held
     last = mx.take_along_axis(out, mx.array([max(n - 1, 0) for n in m])[:, None, None],
                               axis=1)                                        # [B, 1, H]
@@ -206,7 +206,7 @@ def draft_dynamic_batch(head, target, cache: BatchHeadCache, features, tokens, r
         out = head(hidden, frontier, embed, head_cache, positions=positions,
                    mask=layers[0].level_mask(stable, tree_mask), fed_back=True)   # [B, k, H]
         for c in layers:
-            c.commit()
+            c.keep()
         bias = 1 + top_k * top_k * max(0, level - 1) + (top_k if level > 0 else 0)
         parents_list.append(chosen + bias)
         child_ids, cum, chosen, scores, from_node, tree_mask = compiled(_next_level_batch)(
@@ -217,7 +217,7 @@ def draft_dynamic_batch(head, target, cache: BatchHeadCache, features, tokens, r
         tokens_list.append(child_ids)
         scores_list.append(cum)
     for c in layers:
-        c.truncate(stable)
+        c.truncate_rows(stable)
     all_scores = mx.concatenate(scores_list, axis=1)
     all_tokens = mx.concatenate(tokens_list, axis=1)
     all_parents = mx.concatenate(parents_list, axis=1)

@@ -104,7 +104,7 @@ class HeadArgs:
         return self.target_hidden_size or self.hidden_size
 
 
-ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")  # others: plain RoPE, as EAGLE's code
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")  # the scalings a head computes
 
 
 def window_mask(mask, cache, positions, T: int, window: int) -> mx.array:
@@ -138,9 +138,9 @@ class HeadAttention(nn.Module):
             self.k_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
         self.scale = D**-0.5
         self.window = window
-        scaling = args.rope_scaling
+        scaling = args.rope_scaling  # (another type is refused when the config is read)
         if scaling and (scaling.get("type") or scaling.get("rope_type")) not in ROPE_TYPES:
-            scaling = None
+            scaling = None  # "default": plain RoPE
         self.rope = mlxlm.initialize_rope(D, args.rope_theta, False, scaling,
                                           args.max_position_embeddings)
 

@@ -2,11 +2,12 @@
 
 Reads `pytorch_model.bin` (safely, without torch) or `model.safetensors`, detects
 EAGLE-1 vs EAGLE-3 from the keys, checks every key and shape (and the target, when
-given). `load_head` accepts an MLX folder (`head_io.save_head`: config.json with an "eagle"
+given). `load_head` accepts an MLX folder (`write.save_head`: config.json with an "eagle"
 block saying the head kind and what it needs from its target, and model.safetensors) or an
 unconverted PyTorch one.
 """
 
+import dataclasses
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -16,12 +17,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import EagleError, is_int
-from .base import HeadSource
-from .eagle import HEAD_CLASSES, HeadArgs
-from .layouts import family_name, translate
-from .mtp import INDEX, build_mtp, is_mtp_config, mtp_shards, read_mtp_weights
 from ..hub import resolve
 from ..targets.load import read_config
+from .base import HeadSource
+from .eagle import HEAD_CLASSES, ROPE_TYPES, HeadArgs
+from .layouts import family_name, translate
+from .mtp import INDEX, build_mtp, is_mtp_config, mtp_shards, read_mtp_weights
 from .torch_pickle import load_torch_checkpoint
 
 FORMAT_VERSION = 1
@@ -91,8 +92,13 @@ def check_head_config(config: dict, path: Path) -> None:
     for key in ("bias", "qkv_bias"):
         if key in config and not isinstance(config[key], bool):
             bad(key, "true or false")
-    if config.get("rope_scaling") is not None and not isinstance(config["rope_scaling"], dict):
+    scaling = config.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
         bad("rope_scaling", "an object or null")
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind not in (None, "default", *ROPE_TYPES):
+        raise EagleError(f"{where}: \"rope_scaling\" is of type {kind!r}, which eagle_mlx's heads "
+                         f"do not compute (they compute {', '.join(ROPE_TYPES)} or none).")
     if config.get("eagle") is not None:
         eagle = config["eagle"]
         if not isinstance(eagle, dict):
@@ -149,7 +155,11 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
         args = HeadArgs.from_config(config, kind, has_d2t="d2t" in weights)
     except KeyError as e:
         raise EagleError(f"{path / 'config.json'} lacks the key {e} that a head config needs.") from None
-    # the head drafts with the target's embedding, unless it is narrower than its target
+    # the head drafts with the target's embedding, unless it is narrower than its target; a
+    # head that names a target width equal to its own and ships no embedding borrows it too
+    if kind == "eagle3" and args.target_hidden_size == args.hidden_size and \
+            "embed_tokens.weight" not in weights:
+        args = dataclasses.replace(args, target_hidden_size=None)
     own_embedding = kind == "eagle3" and args.target_hidden_size is not None
     embed = None if own_embedding else weights.pop("embed_tokens.weight", None)
     if own_embedding and "embed_tokens.weight" not in weights:

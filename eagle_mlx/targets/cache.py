@@ -1,7 +1,15 @@
 """KV caches for tree verification: append a whole tree, then keep only the accepted rows.
 
 Full-attention layers keep every position (`TreeKVCache`); sliding-window layers keep a
-window of the latest positions plus room for what is appended next (`WindowKVCache`).
+window of the latest positions plus room for what is appended next (`WindowKVCache`);
+linear-attention layers keep a recurrent state (`RecurrentCache`); a batch keeps one
+ragged cache per layer (`RaggedKVCache`, `BatchRecurrentCache`).
+
+The words: mlx-lm's where the meaning is mlx-lm's (`update_and_fetch`, `offset`, `trim`,
+`state`, `make_mask`); `keep` keeps a tree's accepted path (one sequence: the rows given;
+a batch: each row's accepted nodes); `truncate(length)` cuts a sequence back to its first
+`length` positions (mlx-lm's `trim` counts from the end) where `reusable(length)` says it
+can; `arrays()` are the whole buffers a cycle evaluates (mlx-lm's `state` slices them).
 """
 
 from typing import Optional
@@ -225,8 +233,12 @@ class RaggedKVCache:
     kept in place — per row only the slots it appends or keeps are written, the batch is
     never copied by a cycle. `mask` gives the [B, 1, T, slots] boolean mask of a pass (each
     row's own prefix — within `window` of each query for a sliding layer — then its tree's
-    ancestors); `commit` ends the pass. Rows join (`extend`, from a sequence's own cache
-    after its prefill) and leave (`filter`) between cycles."""
+    ancestors); `keep` ends the pass. Rows join (`extend`, from a sequence's own cache
+    after its prefill) and leave (`filter`) between cycles.
+
+    Not mlx-lm's `BatchKVCache`: it left-pads rows so that they end together, which would
+    give every row's tree another offset per cycle (rows accept different numbers of
+    nodes); right-ragged rows keep each tree at its own row's end."""
 
     step = 256
     offset = 0  # (mlx-lm's modules read it for RoPE; a batch gives positions instead)
@@ -290,7 +302,7 @@ class RaggedKVCache:
             mask = mask & ((positions[:, :, None] - kpos[:, None, :]) < window)
         return mask[:, None]
 
-    def commit(self, kept=None) -> None:
+    def keep(self, kept=None) -> None:
         """End a pass: every row keeps all its new positions (kept None) or kept[b], the
         pass-relative indices of its accepted nodes (root first, parents before children),
         moved to follow its prefix."""
@@ -376,7 +388,7 @@ class RaggedKVCache:
         self.values[b: b + 1, :, :n, :] = v
         self.lengths[b], self.bases[b] = n, 0
 
-    def truncate(self, lengths) -> None:
+    def truncate_rows(self, lengths) -> None:
         """Every row back to `lengths` positions (a draft's levels dropped)."""
         self.lengths = [int(n) for n in lengths]
 
@@ -435,7 +447,7 @@ class BatchRecurrentCache:
         c.offset = offset
         return c
 
-    def commit(self, kept) -> None:
+    def keep(self, kept) -> None:
         """Each row keeps the state of its deepest accepted node and the window ending at it
         (kept[b]: the pass-relative indices of its accepted nodes, root first)."""
         states, rows = self.pending            # [B, T, Hv, Dv, Dk], [B, T, C]

@@ -172,7 +172,7 @@ class Target:
         """After a batch verify: row b keeps its accepted tree nodes kept[b] (indices in its
         tree, root first)."""
         for bc in batch:
-            bc.commit(kept)
+            bc.keep(kept)
 
     def verify_batch(self, tokens: mx.array, batch, lengths, positions: mx.array,
                      tree: mx.array, taps: Sequence[int] = (),
