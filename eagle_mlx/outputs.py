@@ -71,24 +71,42 @@ def check_out_file(path, flag: str) -> Path:
     return path
 
 
-def _replace(out, tmp: Path, write, remove) -> None:
+def _replace(out, tmp: Path, write, remove, rename=os.replace) -> None:
     """Run write(tmp) and rename tmp to `out`; `remove(tmp)` clears what a failure left."""
     try:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
-        os.replace(tmp, out)
+        rename(tmp, out)
     except OSError as e:
         raise EagleError(f"could not write {out} ({reason(e)}).") from None
     finally:
         remove(tmp)
 
 
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """tmp renamed to `out`; a folder already there (an older checkpoint) is set aside first
+    and removed once the new one is in place."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def atomic_dir(out: Path, write) -> None:
-    """Run write(tmp_dir) and rename tmp_dir to `out`; nothing is left on failure."""
+    """Run write(tmp_dir) and rename tmp_dir to `out` (replacing a folder there); nothing is
+    left on failure."""
     out = Path(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    _replace(out, tmp, write, lambda t: shutil.rmtree(t, ignore_errors=True))
+    _replace(out, tmp, write, lambda t: shutil.rmtree(t, ignore_errors=True), _replace_dir)
 
 
 def atomic_file(out: Path, write) -> None:

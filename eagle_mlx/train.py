@@ -418,8 +418,6 @@ class Trainer:
     # -------------------------------------------------------------- state
     def save(self):
         """The head folder (loadable by eagle_mlx.load) plus what --resume needs."""
-        import shutil
-
         self.out.mkdir(parents=True, exist_ok=True)
         arrays = {f"head.{k}": v for k, v in tree_flatten(self.head.parameters())}
         arrays.update({f"opt.{k}": v for k, v in tree_flatten(self.optimizer.state)})
@@ -429,12 +427,7 @@ class Trainer:
                  "unroll": self.args.unroll,
                  "tokens": self.tokens, "seconds": round(self.seconds, 1)}
         # each file is replaced whole; the state names the step, so it is written last
-        head_dir, old_head = self.out / "head", self.out / ".head.old"
-        save_head(self.head, self.config, self.out / ".head.new")
-        if head_dir.exists():
-            head_dir.rename(old_head)
-        (self.out / ".head.new").rename(head_dir)
-        shutil.rmtree(old_head, ignore_errors=True)
+        save_head(self.head, self.config, self.out / "head")
         atomic_file(self.out / CHECKPOINT_FILE, lambda t: mx.save_safetensors(str(t), arrays))
         atomic_file(self.out / STATE_FILE,
                     lambda t: t.write_text(json.dumps(state, indent=2) + "\n"))

@@ -60,6 +60,13 @@ HYBRID_TARGETS = {
 TINY_TARGETS.update(HYBRID_TARGETS)
 
 
+def make_hybrids(root: Path, seed: int) -> dict:
+    """Every tiny hybrid target of HYBRID_TARGETS under `root`: name -> folder."""
+    return {name: make_hf_model(root / name, kind, seed=seed, vocab_size=64, scale=4.0,
+                                **overrides)
+            for name, (kind, overrides) in HYBRID_TARGETS.items()}
+
+
 @pytest.fixture(autouse=True, scope="session")
 def private_tuning_cache(tmp_path_factory):
     """Benchmark choices go to a cache of the test session's own, so a developer's saved

@@ -9,15 +9,13 @@ import sys
 import pytest
 
 import eagle_mlx
-from tiny import ROOT, make_eagle_head, make_hf_model
+from tiny import ROOT, make_eagle_head, make_hf_model, tiny_llama
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
-    target = make_hf_model(root / "target", "llama", seed=5, num_hidden_layers=8,
-                           num_key_value_heads=2, vocab_size=64, scale=4.0,
-                           max_position_embeddings=128)
+    target = tiny_llama(root / "target")
     head = make_eagle_head(root / "head", target, "eagle1", seed=1)
     return target, head
 

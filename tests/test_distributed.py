@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import eagle_mlx
-from tiny import ROOT, make_eagle_head, make_hf_model
+from tiny import ROOT, make_eagle_head, make_hf_model, tiny_llama
 
 sys.path.insert(0, str(ROOT / "tests"))
 from dist_worker import CASES, MAX_TOKENS, PROMPT  # noqa: E402
@@ -48,9 +48,7 @@ def launch(command, timeout=180):
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    llama = make_hf_model(root / "llama", "llama", seed=5, num_hidden_layers=8,
-                          num_key_value_heads=2, vocab_size=64, scale=4.0,
-                          max_position_embeddings=4096)
+    llama = tiny_llama(root / "llama", max_position_embeddings=4096)
     qwen3 = make_hf_model(root / "qwen3", "qwen3", seed=6, num_hidden_layers=8,
                           num_key_value_heads=2, vocab_size=64, scale=4.0)
     return root, {

@@ -82,16 +82,13 @@ def test_a_drafter_of_the_targets_own_tokens_is_accepted_whole(target, length):
     t, _, _ = target
     n = 40
     reference = _reference(t, n + 2 * length + 2)
-    steps, out = _run(t, ChainDrafter(reference, length, t.vocab_size), n)
+    drafter = ChainDrafter(reference, length, t.vocab_size)
+    steps, out = _run(t, drafter, n)
     assert out == reference[len(PROMPT): len(PROMPT) + n]  # = plain decoding
     assert steps[0].accept_length is None
     cycles = steps[1:]
     assert all(s.accept_length == length and len(s.tokens) == length + 1 for s in cycles)
-    assert drafter_calls(steps) == len(cycles)
-
-
-def drafter_calls(steps):
-    return sum(s.drafted is not None for s in steps)
+    assert drafter.calls == len(cycles)  # one proposal per cycle, none after the last
 
 
 def test_a_drafter_the_target_never_agrees_with_is_accepted_nowhere(target):

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 import eagle_mlx
-from conftest import HYBRID_TARGETS
+from conftest import HYBRID_TARGETS, make_hybrids
 from eagle_mlx import load_target
 from eagle_mlx.targets.cache import RecurrentCache
 from test_target import random_tree, tree_forward
 from test_windows import hf_greedy, hf_logits, hf_model
-from tiny import make_eagle_head, make_hf_model
+from tiny import continue_greedily, make_eagle_head, make_hf_model
 
 NAMES = list(HYBRID_TARGETS)
 
@@ -90,11 +90,7 @@ def test_tree_forward_equals_path_by_path_and_keeps_the_accepted_state(tiny_dir,
             for x, y in zip(held(c), held(a)):
                 np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-5, rtol=0)
         expected = hf_greedy(model, seq, 8)
-        tok, out = int(np.argmax(logits[leaf])), []
-        for _ in range(8):
-            out.append(tok)
-            h, _ = target(mx.array([[tok]]), cache)
-            tok = int(np.argmax(np.array(target.lm_head(h)[0, -1])))
+        out = continue_greedily(target, cache, logits[leaf], 8)
         assert out == expected, (name, trial)
 
 
@@ -103,8 +99,7 @@ def hybrid_pairs(tmp_path_factory):
     """Random heads for the hybrids: EAGLE-1 for each; EAGLE-3 for an 8-layer Qwen3.5."""
     root = tmp_path_factory.mktemp("hybrid")
     pairs = {}
-    for name, (kind, overrides) in HYBRID_TARGETS.items():
-        t = make_hf_model(root / name, kind, seed=13, vocab_size=64, scale=4.0, **overrides)
+    for name, t in make_hybrids(root, seed=13).items():
         pairs[name + "-eagle1"] = (t, make_eagle_head(root / (name + "-h1"), t, "eagle1", seed=3))
     t = make_hf_model(root / "q8", "qwen3_5", seed=14, vocab_size=64, scale=4.0, num_hidden_layers=8,
                       num_key_value_heads=2, layer_types=["linear_attention", "full_attention"] * 4)

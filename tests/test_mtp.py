@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import eagle_mlx
-from conftest import HYBRID_TARGETS
+from conftest import HYBRID_TARGETS, make_hybrids
 from eagle_mlx.heads.read import load_head
 from eagle_mlx.errors import EagleError
 from eagle_mlx.targets.load import load_target
@@ -79,8 +79,7 @@ def add_mtp(folder, seed=0, layers=1):
 def mtp_targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
     out = {}
-    for name, (kind, overrides) in HYBRID_TARGETS.items():
-        folder = make_hf_model(root / name, kind, seed=31, vocab_size=64, scale=4.0, **overrides)
+    for name, folder in make_hybrids(root, seed=31).items():
         out[name] = add_mtp(folder, seed=5)
     return out
 

@@ -13,7 +13,7 @@ import pytest
 
 import eagle_mlx
 from eagle_mlx.cli import chat_prompt
-from tiny import ROOT, make_eagle_head, make_hf_model
+from tiny import ROOT, make_eagle_head, tiny_llama
 
 openai = pytest.importorskip("openai", reason="the openai client (test extra) is not installed")
 
@@ -69,9 +69,7 @@ class Running:
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("srv")
-    target = make_hf_model(root / "target", "llama", seed=5, num_hidden_layers=2,
-                           num_key_value_heads=2, vocab_size=64, scale=4.0,
-                           max_position_embeddings=4096)
+    target = tiny_llama(root / "target", num_hidden_layers=2, max_position_embeddings=4096)
     # end-of-turn (</s>, id 2) made unlikely, so that answers run long enough to test with
     from safetensors.numpy import load_file, save_file
 

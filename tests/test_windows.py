@@ -14,7 +14,7 @@ from conftest import WINDOWED_TARGETS
 from eagle_mlx import EagleError, load_target
 from eagle_mlx.decoding.steps import PromptCache, SamplingParams, eagle_steps
 from test_target import random_tree, tree_forward
-from tiny import make_eagle_head, make_hf_model
+from tiny import continue_greedily, make_eagle_head, make_hf_model
 
 NAMES = list(WINDOWED_TARGETS)
 
@@ -101,11 +101,7 @@ def test_tree_forward_equals_path_by_path_and_kept_rows_decode_alone(tiny_dir, n
         target.accept(cache, n, mx.array(n + kept))
         seq = prompt + [tokens[j] for j in kept]
         expected = hf_greedy(model, seq, 12)
-        tok, out = int(np.argmax(logits[leaf])), []
-        for _ in range(12):
-            out.append(tok)
-            h, _ = target(mx.array([[tok]]), cache)
-            tok = int(np.argmax(np.array(target.lm_head(h)[0, -1])))
+        out = continue_greedily(target, cache, logits[leaf], 12)
         assert out == expected, (name, trial)
 
 

@@ -135,6 +135,29 @@ def make_hf_model(folder: Path, kind: str = "llama", seed: int = 0, scale: float
     return folder
 
 
+def continue_greedily(target, cache, logits, n: int) -> list:
+    """n greedy tokens: the argmax of `logits` [V], then each next one after feeding the
+    last through `target` with `cache` (what the target alone would continue with)."""
+    import mlx.core as mx
+    import numpy as np
+
+    tok, out = int(np.argmax(np.array(logits))), []
+    for _ in range(n):
+        out.append(tok)
+        h, _ = target(mx.array([[tok]]), cache)
+        tok = int(np.argmax(np.array(target.lm_head(h)[0, -1])))
+    return out
+
+
+def tiny_llama(folder: Path, num_hidden_layers: int = 8, max_position_embeddings: int = 128,
+               seed: int = 5) -> Path:
+    """The tools' tiny Llama target (GQA, vocabulary 64, scaled so that greedy decoding is
+    decisive): what the CLI, server and distributed tests run."""
+    return make_hf_model(folder, "llama", seed=seed, num_hidden_layers=num_hidden_layers,
+                         num_key_value_heads=2, vocab_size=64, scale=4.0,
+                         max_position_embeddings=max_position_embeddings)
+
+
 def make_eagle_head(folder: Path, target_folder: Path, kind: str = "eagle1", seed: int = 0,
                     draft_vocab_size: int = 0, std: float = 0.3, qkv_bias: bool = False,
                     hidden_size: int = 0) -> Path:
