@@ -16,6 +16,7 @@ numbers everywhere (one shared seed). Only rank 0 writes output.
 import os
 import signal
 import sys
+import threading
 from typing import Optional
 
 import mlx.core as mx
@@ -75,21 +76,43 @@ def silence_other_ranks(g: Optional[mx.distributed.Group]) -> None:
         os.dup2(null, 1)
         os.dup2(null, 2)
 
-    def on_term(signum, frame):
-        os.write(errors().fileno(), f"error: rank {g.rank()} stopped: another rank of the "
-                 "distributed run ended, or the run was interrupted.\n".encode())
+    _end_on_sigterm(f"error: rank {g.rank()} stopped: another rank of the distributed run "
+                    "ended, or the run was interrupted.\n")
+
+
+def _end_on_sigterm(sentence: str) -> None:
+    """Exit with `sentence` at SIGTERM, within moments, wherever the main thread is. A
+    Python signal handler runs only when the main thread returns to the interpreter, and a
+    rank whose peer died can sit in MLX's ring send, retrying, for half a minute; so the
+    signal also wakes a thread of its own (the interpreter's wakeup descriptor, written by
+    its C-level handler), which can run while MLX holds no lock (it releases the GIL while
+    it evaluates)."""
+    def end(*_):
+        os.write(errors().fileno(), sentence.encode())
         os._exit(1)
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, end)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch():
+        while True:
+            if signal.SIGTERM in os.read(read, 64):
+                end()
+
+    threading.Thread(target=watch, name="sigterm-watch", daemon=True).start()
 
 
 def peer_lost(e: BaseException) -> Optional[str]:
-    """The sentence for a communication failure (a rank that died or disappeared)."""
-    text = str(e)
+    """The sentence for a communication failure (a rank that died or disappeared; of two
+    ranks, the other one is named)."""
+    text, g = str(e), (_group[0] if _group else None)
     if isinstance(e, RuntimeError) and (text.startswith("[ring]") or text.startswith("[mpi]")
                                         or text.startswith("[jaccl]")):
+        which = f"rank {1 - g.rank()}: " if g is not None and g.size() == 2 else ""
         return ("another rank of the distributed run stopped or became unreachable "
-                f"({text.split('] ', 1)[-1]}).")
+                f"({which}{text.split('] ', 1)[-1]}).")
     return None
 
 

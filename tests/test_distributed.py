@@ -226,3 +226,39 @@ def test_targets_mlx_lm_cannot_shard_are_refused(tiny_dir):
     with pytest.raises(eagle_mlx.EagleError, match="3 attention heads, which do not split evenly"):
         shard(t.model, config, Two(), path)
     assert mx.array(np.zeros(1)).size == 1
+
+
+BLOCKED_IN_EVAL = """
+import sys, types
+import mlx.core as mx
+from eagle_mlx import distributed
+distributed.silence_other_ranks(types.SimpleNamespace(rank=lambda: 0, size=lambda: 2))
+a = mx.random.normal((1024, 1024)) / 32
+b = a
+for _ in range(400):  # minutes of one evaluation: the main thread never returns to Python
+    b = b @ a
+print("evaluating", flush=True)
+mx.eval(b)
+print("finished", flush=True)
+"""
+
+
+def test_sigterm_ends_a_rank_at_once_even_inside_an_evaluation():
+    """mlx.launch stops the other ranks with SIGTERM when one ends; a rank sitting in a long
+    native call (the ring retrying a send to the dead rank) ends within seconds, with the
+    sentence, not when the call returns."""
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_IN_EVAL], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "evaluating"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        start = time.time()
+        _, err = proc.communicate(timeout=20)
+        assert time.time() - start < 5
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert err.strip().splitlines()[-1] == (
+        "error: rank 0 stopped: another rank of the distributed run ended, or the run was "
+        "interrupted."), err
