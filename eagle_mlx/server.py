@@ -91,7 +91,7 @@ def _text_content(content, where: str) -> str:
 
 
 class Job:
-    """One request on its way through the engine: settings in, events out."""
+    """One request on its way through the job runner: settings in, events out."""
 
     def __init__(self, ids: List[int], settings, stop: List[str]):
         self.ids, self.settings, self.stop = ids, settings, stop
@@ -99,10 +99,42 @@ class Job:
         self.cancelled = threading.Event()
 
 
-class Engine:
-    """The model, the loop that runs its generations one at a time, and the prompt cache
-    it keeps. `run` is called on the main thread: MLX gives every thread its own streams,
-    and a process whose other threads computed with MLX can abort as it exits."""
+class PromptCachePool:
+    """The prompt caches of the latest finished requests (batched serving), at most `size`,
+    the least recently used dropped first: a request takes the one sharing the longest
+    prefix with its prompt, and gives it back when it leaves."""
+
+    def __init__(self, size: int):
+        self.size, self.caches = size, []  # most recently used last
+
+    def take(self, ids):
+        """The cache sharing the longest prefix with `ids` (out of the pool while its
+        request runs), or a new one where none shares any."""
+        from .decoding.steps import PromptCache
+
+        best, most = None, 0
+        for pc in self.caches:
+            n = pc.shared_prefix(ids)
+            if n > most:
+                best, most = pc, n
+        if best is None:
+            return PromptCache()
+        self.caches.remove(best)
+        best.reused = 0  # (until its request joins)
+        return best
+
+    def put(self, pc) -> int:
+        """A request's cache back (as it left it); returns the prompt tokens it found cached."""
+        self.caches.append(pc)
+        del self.caches[: -self.size]
+        return pc.reused
+
+
+class JobRunner:
+    """The model, the loop that runs its generations (one at a time, or continuously
+    batched), and the prompt caches it keeps. `run` is called on the main thread: MLX gives
+    every thread its own streams, and a process whose other threads computed with MLX can
+    abort as it exits."""
 
     def __init__(self, model, tokenizer, model_id: str, log=None, max_batch: int = 1):
         """Under mlx.launch (model.group set) this is rank 0: every request is sent to the
@@ -112,7 +144,7 @@ class Engine:
 
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.max_batch, self.running = max_batch, {}
-        self.pool = []  # batched: the prompt caches of the latest finished requests
+        self.pool = PromptCachePool(max_batch)
         self.cache = PromptCache()
         self.jobs = queue.Queue()
         self.current, self.stopping = None, False
@@ -148,6 +180,13 @@ class Engine:
             except queue.Empty:
                 pass
 
+    def _queued(self):
+        """The next queued job without waiting (False: none)."""
+        try:
+            return self.jobs.get_nowait()
+        except queue.Empty:
+            return False
+
     def run(self) -> None:
         """Serve the queued jobs until `stop`."""
         from .distributed import share_text
@@ -173,14 +212,13 @@ class Engine:
                 self.current = None
 
     def _run(self, job: Job):
+        from .decoding.responses import StopFilter
         from .distributed import (CANCELLED, CONTINUE, FINISHED, share_response_signal,
                                   share_text)
         from .generation import stream_generate
 
         group = self.model.group
         share_text(group, json.dumps({"ids": job.ids, "settings": job.settings.asdict()}))
-        from .decoding.responses import StopFilter
-
         stops, finish, last = StopFilter(job.stop), None, None
         for r in stream_generate(self.model, self.tokenizer, job.ids, prompt_cache=self.cache,
                                  settings=job.settings):
@@ -210,72 +248,27 @@ class Engine:
         job.events.put(("done", "stop" if finish in ("stop", "cancelled") else finish or "length",
                         usage))
 
-    def _cache_for(self, ids):
-        """The kept prompt cache (of a finished request) sharing the longest prefix with
-        `ids`, taken out of the pool while its request runs; a new one where none does."""
-        from .decoding.steps import PromptCache
-
-        best, most = None, 0
-        for pc in self.pool:
-            n = pc.shared_prefix(ids)
-            if n > most:
-                best, most = pc, n
-        if best is None:
-            return PromptCache()
-        self.pool.remove(best)
-        best.reused = 0  # (until its request joins)
-        return best
-
-    def _leave(self, pc) -> int:
-        """A finished request's prompt cache back into the pool (at most --max-batch kept,
-        the oldest dropped); returns the prompt tokens it found cached."""
-        self.pool.append(pc)
-        del self.pool[: -self.max_batch]
-        return pc.reused
-
+    # ---------------------------------------------------------------- batched
     def _run_batched(self) -> None:
         """Serve the queued jobs continuously batched until `stop`: between cycles, new jobs
         join (their prefill a chunk per cycle), finished and cancelled ones leave."""
         from .decoding.batch import BatchGenerator
-        from .decoding.responses import StopFilter
 
         gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
-        last, caches = {}, {}
+        self.last, self.caches = {}, {}  # per running request: its latest response, its cache
         while True:
             job = False if gen.busy else self._next_job()  # wait for work only when there is none
             if job is False:
-                try:
-                    job = self.jobs.get_nowait()
-                except queue.Empty:
-                    pass
+                job = self._queued()
             while job is not False:
                 if job is None or self.stopping:
-                    if job is not None:
-                        job.events.put(("error", SHUTTING_DOWN))
-                    for uid, (j, _) in list(self.running.items()):
-                        self._done(j, "cancelled", last.get(uid), 0)
-                    self.running.clear()
-                    return
-                if job.cancelled.is_set():
-                    job.events.put(("error", SHUTTING_DOWN))
-                else:
-                    pc = self._cache_for(job.ids)
-                    try:
-                        uid = gen.add(job.ids, job.settings, prompt_cache=pc)
-                        self.running[uid], caches[uid] = (job, StopFilter(job.stop)), pc
-                    except EagleError as e:
-                        self.pool.append(pc)  # (a refused request leaves the cache as it was)
-                        del self.pool[: -self.max_batch]
-                        job.events.put(("error", str(e)))
-                try:
-                    job = self.jobs.get_nowait()
-                except queue.Empty:
-                    job = False
+                    return self._end_batched(job)
+                self._admit(gen, job)
+                job = self._queued()
             for uid, (j, _) in list(self.running.items()):
                 if j.cancelled.is_set():  # the client left
                     gen.cancel(uid)
-                    del self.running[uid]
-                    self._done(j, "cancelled", last.pop(uid, None), self._leave(caches.pop(uid)))
+                    self._leave(uid, "cancelled", self.last.pop(uid, None))
             try:
                 out = gen.step()
             except Exception as e:  # the batch fails, the server does not
@@ -283,22 +276,53 @@ class Engine:
                 for j, _ in self.running.values():
                     j.events.put(("error", "generation failed inside the server."))
                 self.running.clear()
-                last.clear()
+                self.last.clear()
                 gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
                 continue
-            for uid, r in out:
-                if uid not in self.running:
-                    continue
-                j, stops = self.running[uid]
-                last[uid] = r
-                emit, finish = stops.feed(r.text, r.finish_reason)
-                if emit:
-                    j.events.put(("text", emit))
-                if finish is not None:
-                    if r.finish_reason is None:  # a stop string: it leaves the batch
-                        gen.cancel(uid)
-                    del self.running[uid]
-                    self._done(j, finish, last.pop(uid), self._leave(caches.pop(uid)))
+            self._deliver(gen, out)
+
+    def _admit(self, gen, job: Job) -> None:
+        """A queued job joins the batch with the pooled cache that fits it best."""
+        from .decoding.responses import StopFilter
+
+        if job.cancelled.is_set():
+            job.events.put(("error", SHUTTING_DOWN))
+            return
+        pc = self.pool.take(job.ids)
+        try:
+            uid = gen.add(job.ids, job.settings, prompt_cache=pc)
+        except EagleError as e:
+            self.pool.put(pc)  # (a refused request leaves the cache as it was)
+            job.events.put(("error", str(e)))
+            return
+        self.running[uid], self.caches[uid] = (job, StopFilter(job.stop)), pc
+
+    def _deliver(self, gen, out) -> None:
+        """A step's responses to their requests' events; finished requests leave."""
+        for uid, r in out:
+            if uid not in self.running:
+                continue
+            j, stops = self.running[uid]
+            self.last[uid] = r
+            emit, finish = stops.feed(r.text, r.finish_reason)
+            if emit:
+                j.events.put(("text", emit))
+            if finish is not None:
+                if r.finish_reason is None:  # a stop string: it leaves the batch
+                    gen.cancel(uid)
+                self._leave(uid, finish, self.last.pop(uid))
+
+    def _leave(self, uid, finish, last) -> None:
+        job, _ = self.running.pop(uid)
+        self._done(job, finish, last, self.pool.put(self.caches.pop(uid)))
+
+    def _end_batched(self, job) -> None:
+        """`stop`: the job that asked for it (if any) refused, the running ones cancelled."""
+        if job is not None:
+            job.events.put(("error", SHUTTING_DOWN))
+        for uid, (j, _) in list(self.running.items()):
+            self._done(j, "cancelled", self.last.get(uid), 0)
+        self.running.clear()
 
 
 def follow(model, tokenizer) -> None:
@@ -330,7 +354,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ plumbing
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> JobRunner:
         return self.server.engine
 
     def log_message(self, fmt, *args):  # one line per request, on stderr
@@ -640,7 +664,7 @@ def _main(argv) -> int:
         server = Server((args.host, args.port), Handler)
     except OSError as e:
         raise EagleError(f"cannot listen on {args.host}:{args.port} ({e.strerror}).") from None
-    server.engine = Engine(model, tokenizer, model_id, max_batch=args.max_batch)
+    server.engine = JobRunner(model, tokenizer, model_id, max_batch=args.max_batch)
     server.api_key, server.max_body = args.api_key, args.max_body_bytes
     server.defaults = defaults
     server.verbose, server.started = args.verbose, int(time.time())

@@ -80,36 +80,113 @@ def _root_tree(root: mx.array) -> Tree:
     return Tree(root.reshape(1).astype(mx.int32), z, mx.ones((1, 1), dtype=mx.bool_), z)
 
 
+def _padded(trees: List[Tree]):
+    """Every row's tree padded to the widest: tokens, depths [B, T] and ancestor masks
+    [B, T, T] (a padding node sees only itself); and each tree's own size."""
+    sizes = [int(t.tokens.shape[0]) for t in trees]
+    T = max(sizes)
+    tokens, depth, anc = [], [], []
+    for t, n in zip(trees, sizes):
+        pad = T - n
+        tokens.append(mx.pad(t.tokens.astype(mx.int32), (0, pad)))
+        depth.append(mx.pad(t.depth.astype(mx.int32), (0, pad)))
+        a = mx.pad(t.anc, [(0, pad), (0, pad)])
+        if pad:
+            a = a | mx.pad(mx.eye(pad, dtype=mx.bool_), [(n, 0), (n, 0)])
+        anc.append(a)
+    return mx.stack(tokens), mx.stack(depth), mx.stack(anc), sizes
+
+
+class BatchRows:
+    """The sequences decoding in a batch, in row order, and the caches they decode with:
+    the target's (one ragged cache per layer) and the head's, where the head drafts the
+    batch's rows in one pass (`drafts_batched`: then its caches live in the batch too). A
+    sequence joins after its prefill; a leaving one takes its rows back into its prompt
+    cache, for its next turn."""
+
+    def __init__(self, target, head):
+        self.target, self.head = target, head
+        self.batched_head = head is not None and head.drafts_batched
+        self.seqs: List[_Sequence] = []
+        self.caches = None       # the target's batch caches
+        self.head_caches = None  # a BatchHeadCache where the head drafts batched
+
+    @staticmethod
+    def _head_layers(seq: _Sequence) -> Optional[list]:
+        """The sequence's own head caches, one per head layer (None: no head)."""
+        return seq.engine.drafter.head_caches(seq.state.drafter)
+
+    def join(self, seq: _Sequence) -> None:
+        """The prefilled sequence's caches become the batch's last row."""
+        if self.caches is None:
+            self.caches = self.target.make_batch_cache()
+        self.target.batch_join(self.caches, seq.state.caches)
+        seq.state.caches = None  # the batch holds them now
+        if self.batched_head:
+            if self.head_caches is None:
+                self.head_caches = BatchHeadCache(self.head.num_layers)
+                for _ in self.seqs:
+                    self.head_caches.join(None)
+            self.head_caches.join(self._head_layers(seq))
+        self.seqs.append(seq)
+
+    def keep(self, keep: List[int]) -> None:
+        """Only rows `keep` stay; the others leave (their caches to their prompt caches)."""
+        for b, s in enumerate(self.seqs):
+            if b not in keep and s.prompt_cache is not None:
+                pc = s.prompt_cache
+                pc.target = self.target.batch_extract(self.caches, b, s.state.n)
+                own = self._head_layers(s)
+                if own is not None and self.head_caches is not None:
+                    self.head_caches.copy_out(b, own)
+                pc.record(s.state)
+        self.seqs = [self.seqs[i] for i in keep]
+        mx.clear_cache()  # (the batch's buffers change size as rows leave: free MLX's cached ones)
+        if not self.seqs:
+            self.caches = self.head_caches = None
+        else:
+            self.target.batch_filter(self.caches, keep)
+            if self.head_caches is not None:
+                self.head_caches.filter(keep)
+
+    def arrays(self) -> list:
+        """What a cycle leaves to evaluate: every cache buffer and the rows' features."""
+        return [a for c in self.caches for a in c.arrays()] + \
+            ([] if self.head_caches is None else list(self.head_caches.arrays())) + \
+            [s.state.feats for s in self.seqs if s.state.feats is not None]
+
+
 class BatchGenerator:
-    """Continuous batching of speculative (or plain) generations over one model."""
+    """Continuous batching of speculative (or plain) generations over one model: a queue
+    of sequences, prefilled one chunk a step while the batch (`BatchRows`) decodes."""
 
     def __init__(self, model, tokenizer, max_batch: int = DEFAULT_MAX_BATCH,
                  prefill_chunk: int = BATCH_PREFILL_CHUNK, taps: Optional[Seq[int]] = None):
         """taps: the target layers whose inputs every forward returns (default: the head's;
         what `add(record=...)` records besides the post-norm hidden state)."""
         check(hasattr(model, "target") and hasattr(model, "head"),
-               "model must be the EagleModel that eagle_mlx.load returns.")
+              "model must be the EagleModel that eagle_mlx.load returns.")
         check(is_int(max_batch) and max_batch >= 1,
-               f"max_batch must be a whole number of at least 1 (got {max_batch!r}).")
+              f"max_batch must be a whole number of at least 1 (got {max_batch!r}).")
         check(getattr(model, "group", None) is None,
-               "batched generation runs on one machine; it does not shard over mx.distributed.")
+              "batched generation runs on one machine; it does not shard over mx.distributed.")
         self.model, self.tokenizer, self.target = model, tokenizer, model.target
         self.max_batch, self.prefill_chunk = int(max_batch), int(prefill_chunk)
         self.waiting: deque = deque()     # added, not yet prefilled
         self.joining: Optional[_Sequence] = None  # being prefilled, chunk by chunk
-        self.active: List[_Sequence] = []  # the batch's rows, in order
-        self.caches = None
+        self.rows = BatchRows(self.target, model.head)
         self._uid = 0
         head = model.head
         self.taps = tuple(head.feature_taps(self.target) or ()) if head is not None else ()
         if taps is not None:
             check(head is None or not self.taps or tuple(taps) == self.taps,
-                   "taps must be the head's own taps where the head reads taps.")
+                  "taps must be the head's own taps where the head reads taps.")
             self.taps = tuple(taps)
-        # the head drafts every row's dynamic tree in one pass per level where its layers
-        # are full attention (its caches then live in the batch, as the target's)
-        self.batched_head = head is not None and head.drafts_batched
-        self.head_caches = None
+
+    # the batch's rows and caches, as the tests and tools read them
+    active = property(lambda self: self.rows.seqs)
+    caches = property(lambda self: self.rows.caches)
+    head_caches = property(lambda self: self.rows.head_caches)
 
     @property
     def busy(self) -> bool:
@@ -118,6 +195,7 @@ class BatchGenerator:
     def __len__(self) -> int:
         return len(self.active)
 
+    # ---------------------------------------------------------------- the queue
     def add(self, prompt: Union[str, Seq[int]], settings: Optional[GenerationSettings] = None,
             prompt_cache=None, record=None, **kwargs) -> int:
         """Queue a generation (checked now: a bad request raises EagleError and nothing is
@@ -128,19 +206,33 @@ class BatchGenerator:
         record: `Engine.recorder` for this sequence — called with the target's features of
         every position it feeds (prefill chunks, then each cycle's kept nodes)."""
         check(prompt_cache is None or isinstance(prompt_cache, PromptCache),
-               "prompt_cache must be an eagle_mlx.PromptCache.")
+              "prompt_cache must be an eagle_mlx.PromptCache.")
         if settings is None:
             settings = GenerationSettings(**kwargs)
         else:
             check(not kwargs, "give the settings either as a GenerationSettings or as keyword "
-                               "arguments, not both.")
+                              "arguments, not both.")
         run = prepare(self.model, self.tokenizer, prompt, settings)
         self._uid += 1
         seq = _Sequence(self._uid, run.ids, settings, prompt_cache=prompt_cache, record=record)
         seq.responses = responses(self.tokenizer, run.ids, self._pull(seq), settings.max_tokens,
-                                   reset_peak=False)
+                                  reset_peak=False)
         self.waiting.append(seq)
         return seq.uid
+
+    @staticmethod
+    def _pull(seq: _Sequence):
+        while seq.steps:
+            yield seq.steps.popleft()
+
+    def cancel(self, uid: int) -> None:
+        """Drop a sequence (waiting, joining or decoding) at once."""
+        self.waiting = deque(s for s in self.waiting if s.uid != uid)
+        if self.joining is not None and self.joining.uid == uid:
+            self.joining = None
+        keep = [i for i, s in enumerate(self.active) if s.uid != uid]
+        if len(keep) != len(self.active):
+            self.rows.keep(keep)
 
     def _start(self, seq: _Sequence, batch: int) -> None:
         """A sequence's drafter, sampling and state as it joins a batch of `batch`: the
@@ -159,73 +251,26 @@ class BatchGenerator:
             seq.state = pc.state()
             seq.state.keys = run.keys
 
-    @staticmethod
-    def _pull(seq: _Sequence):
-        while seq.steps:
-            yield seq.steps.popleft()
-
-    def cancel(self, uid: int) -> None:
-        """Drop a sequence (waiting, joining or decoding) at once."""
-        self.waiting = deque(s for s in self.waiting if s.uid != uid)
-        if self.joining is not None and self.joining.uid == uid:
-            self.joining = None
-        keep = [i for i, s in enumerate(self.active) if s.uid != uid]
-        if len(keep) != len(self.active):
-            self._keep_rows(keep)
-
-    def _keep_rows(self, keep: List[int]) -> None:
-        for b, s in enumerate(self.active):  # a leaving sequence's cache, for its next turn
-            if b not in keep and s.prompt_cache is not None:
-                pc = s.prompt_cache
-                pc.target = self.target.batch_extract(self.caches, b, s.state.n)
-                self._head_out(s, b)
-                pc.record(s.state)
-        self.active = [self.active[i] for i in keep]
-        mx.clear_cache()  # (the batch's buffers change size as rows leave: free MLX's cached ones)
-        if not self.active:
-            self.caches = self.head_caches = None
-        else:
-            self.target.batch_filter(self.caches, keep)
-            if self.head_caches is not None:
-                self.head_caches.filter(keep)
-
-    # ---------------------------------------------------------------- the head's rows
-    @staticmethod
-    def _head_layers(seq: _Sequence) -> Optional[list]:
-        """The sequence's own head caches, one per head layer (None: no head)."""
-        return seq.engine.drafter.head_caches(seq.state.drafter)
-
-    def _head_in(self, seq: _Sequence) -> None:
-        if self.head_caches is None:
-            self.head_caches = BatchHeadCache(self.model.head.num_layers)
-            for _ in self.active:
-                self.head_caches.join(None)
-        self.head_caches.join(self._head_layers(seq))
-
-    def _head_out(self, seq: _Sequence, b: int) -> None:
-        """Row b of the batch's head caches back into the sequence's own head state."""
-        own = self._head_layers(seq)
-        if own is not None and self.head_caches is not None:
-            self.head_caches.copy_out(b, own)
-
-    def _draft(self, rows, speculative) -> List[Tree]:
-        """Every row's tree through its drafter: rows whose drafters share a batch key in
-        one `propose_batch` call, the others alone; the root alone where a row does not
-        speculate this cycle."""
-        trees = [None] * len(rows)
-        groups = {}
-        for b, (s, spec) in enumerate(zip(rows, speculative)):
-            if not spec:
-                trees[b] = _root_tree(s.state.root)
-                continue
-            key = s.engine.drafter.batch_key() if self.batched_head else None
-            groups.setdefault(("alone", b) if key is None else key, []).append(b)
-        for members in groups.values():
-            draft_rows = [DraftRow(b, rows[b].engine.drafter, rows[b].state) for b in members]
-            drafted = draft_rows[0].drafter.propose_batch(draft_rows, self.head_caches)
-            for b, t in zip(members, drafted):
-                trees[b] = t
-        return trees
+    def _prefill_step(self) -> Optional[_Sequence]:
+        """One chunk of the joining sequence's prefill (the next waiting one starts where
+        there is room); the sequence once it has joined the batch."""
+        if self.joining is None:
+            if not self.waiting or len(self.active) >= self.max_batch:
+                return None
+            self.joining = seq = self.waiting.popleft()
+            self._start(seq, len(self.active) + 1)
+            seq.prefill = seq.engine.prefill_chunks(seq.state, seq.ids, seq.start,
+                                                    self.prefill_chunk)
+        seq = self.joining
+        try:
+            next(seq.prefill)
+            return None  # more chunks to go
+        except StopIteration:
+            pass
+        self.joining = None
+        seq.steps.append(Step([seq.state.history[-1]], None))
+        self.rows.join(seq)
+        return seq
 
     # ---------------------------------------------------------------- a step
     def step(self) -> List[Tuple[int, object]]:
@@ -238,36 +283,10 @@ class BatchGenerator:
             if joined is not None:
                 out += self._emit(joined)
                 if joined.done:  # done with its first token (max_tokens 1, or a stop token)
-                    self._keep_rows(list(range(len(self.active) - 1)))
+                    self.rows.keep(list(range(len(self.active) - 1)))
             if self.active:
                 out += self._cycle()
         return out
-
-    def _prefill_step(self) -> Optional[_Sequence]:
-        if self.joining is None:
-            if not self.waiting or len(self.active) >= self.max_batch:
-                return None
-            self.joining = self.waiting.popleft()
-            seq = self.joining
-            self._start(seq, len(self.active) + 1)
-            seq.prefill = seq.engine.prefill_chunks(seq.state, seq.ids, seq.start,
-                                                    self.prefill_chunk)
-        seq = self.joining
-        try:
-            next(seq.prefill)
-            return None  # more chunks to go
-        except StopIteration:
-            pass
-        self.joining = None
-        seq.steps.append(Step([seq.state.history[-1]], None))
-        if self.caches is None:
-            self.caches = self.target.make_batch_cache()
-        self.target.batch_join(self.caches, seq.state.caches)
-        seq.state.caches = None  # the batch holds them now
-        if self.batched_head:
-            self._head_in(seq)
-        self.active.append(seq)
-        return seq
 
     def _emit(self, seq: _Sequence) -> List[Tuple[int, object]]:
         r = next(seq.responses)
@@ -275,28 +294,36 @@ class BatchGenerator:
             seq.done = True
         return [(seq.uid, r)]
 
-    def _cycle(self) -> List[Tuple[int, object]]:
-        target, rows = self.target, self.active
-        speculative = [not s.plain and s.engine.fits(s.state) for s in rows]
-        trees = self._draft(rows, speculative)
-        sizes = [int(t.tokens.shape[0]) for t in trees]
-        T, B = max(sizes), len(rows)
-        tokens, depth, anc = [], [], []
-        for t, n in zip(trees, sizes):
-            pad = T - n
-            tokens.append(mx.pad(t.tokens.astype(mx.int32), (0, pad)))
-            depth.append(mx.pad(t.depth.astype(mx.int32), (0, pad)))
-            a = mx.pad(t.anc, [(0, pad), (0, pad)])
-            if pad:  # padding nodes see only themselves
-                a = a | mx.pad(mx.eye(pad, dtype=mx.bool_), [(n, 0), (n, 0)])
-            anc.append(a)
+    def _draft(self, rows, speculative) -> List[Tree]:
+        """Every row's tree through its drafter: rows whose drafters share a batch key in
+        one `propose_batch` call, the others alone; the root alone where a row does not
+        speculate this cycle."""
+        trees = [None] * len(rows)
+        groups = {}
+        for b, (s, spec) in enumerate(zip(rows, speculative)):
+            if not spec:
+                trees[b] = _root_tree(s.state.root)
+                continue
+            key = s.engine.drafter.batch_key() if self.rows.batched_head else None
+            groups.setdefault(("alone", b) if key is None else key, []).append(b)
+        for members in groups.values():
+            draft_rows = [DraftRow(b, rows[b].engine.drafter, rows[b].state) for b in members]
+            drafted = draft_rows[0].drafter.propose_batch(draft_rows, self.head_caches)
+            for b, t in zip(members, drafted):
+                trees[b] = t
+        return trees
+
+    def _verify(self, rows, trees, speculative):
+        """One target forward over every row's tree; each row's Verified and what it
+        accepts (its accepted-node mask and next token, as it would alone)."""
+        tokens, depth, anc, sizes = _padded(trees)
         lengths = [s.state.n for s in rows]
-        positions = mx.array(lengths)[:, None] + mx.stack(depth)
+        positions = mx.array(lengths)[:, None] + depth
         max_depth = max(s.engine.drafter.max_depth if sp else 0
                         for s, sp in zip(rows, speculative))
-        hidden, tapped = target.verify_batch(mx.stack(tokens), self.caches, lengths, positions,
-                                             mx.stack(anc), taps=self.taps, max_depth=max_depth)
-        logits = target.lm_head(hidden)                                   # [B, T, V]
+        hidden, tapped = self.target.verify_batch(tokens, self.caches, lengths, positions, anc,
+                                                  taps=self.taps, max_depth=max_depth)
+        logits = self.target.lm_head(hidden)                               # [B, T, V]
         results, verified = [], []
         for b, (s, t, n, sp) in enumerate(zip(rows, trees, sizes, speculative)):
             v = Verified(hidden[b: b + 1], [x[b: b + 1] for x in tapped], logits[b, :n])
@@ -309,20 +336,25 @@ class BatchGenerator:
                     lp = lp - mx.logsumexp(lp, keepdims=True)
                 results.append((mx.ones((1,), dtype=mx.bool_), s.engine.sampling.pick(
                     lp, s.state.key()).reshape(())))
+        return verified, results
+
+    def _cycle(self) -> List[Tuple[int, object]]:
+        rows = self.active
+        speculative = [not s.plain and s.engine.fits(s.state) for s in rows]
+        trees = self._draft(rows, speculative)
+        verified, results = self._verify(rows, trees, speculative)
         # SYNC (once per cycle): every row's accepted nodes and next token
         mx.eval([r for pair in results for r in pair], [t.tokens for t in trees])
         kept, out = [], []
-        for s, t, v_pair, v, b in zip(rows, trees, results, verified, range(B)):
-            path = np.flatnonzero(np.array(v_pair[0])).tolist()
+        for s, t, (mask, bonus), v, sp in zip(rows, trees, results, verified, speculative):
+            path = np.flatnonzero(np.array(mask)).tolist()
             kept.append(path)
-            step = s.engine.advance(s.state, t, v, path, v_pair[1].item())
-            if not speculative[b]:
+            step = s.engine.advance(s.state, t, v, path, bonus.item())
+            if not sp:
                 step.accept_length = None if s.plain else 0
             s.steps.append(step)
-        target.batch_accept(self.caches, kept)
-        mx.async_eval([a for c in self.caches for a in c.arrays()],
-                      [] if self.head_caches is None else list(self.head_caches.arrays()),
-                      [s.state.feats for s in rows if s.state.feats is not None])
+        self.target.batch_accept(self.caches, kept)
+        mx.async_eval(self.rows.arrays())
         for s in rows:
             out += self._emit(s)
         for s in rows:  # a sequence at the end of its context finishes there
@@ -334,5 +366,5 @@ class BatchGenerator:
                 s.done = True
         keep = [i for i, s in enumerate(rows) if not s.done]
         if len(keep) != len(rows):
-            self._keep_rows(keep)
+            self.rows.keep(keep)
         return out
