@@ -10,16 +10,20 @@ layers, concatenated), beside the same conversations as ShareGPT-style JSON line
 
 Reading maps the files (numpy memmap from the safetensors header): a batch reads only its
 own conversations' rows, so a training run over gigabytes of features holds none of them.
+Writing (`ShardWriter`) adds a shard at a time and replaces the index atomically after each;
+`FeatureLog` collects a conversation's features as the batch engine feeds its positions.
 """
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..errors import EagleError
+from ..outputs import atomic_file
 from ..heads.mtp import SAFETENSORS_DTYPES, safetensors_header
 
 FORMAT = "eagle_mlx-features-1"
@@ -160,3 +164,127 @@ class FeatureShards:
             t = a["tokens"][lo:hi][a["loss_mask"][lo:hi] > 0].astype(np.int64)
             np.add.at(counts, t[(t >= 0) & (t < vocab_size)], 1)
         return counts
+
+
+# ------------------------------------------------------------------ writing
+# ------------------------------------------------------------------ index
+def write_index(out: Path, index: dict) -> None:
+    atomic_file(out / INDEX, lambda tmp: tmp.write_text(json.dumps(index, indent=1),
+                                                         encoding="utf-8"))
+
+
+# ------------------------------------------------------------------ features while decoding
+class FeatureLog:
+    """The target's features of one conversation by position, as the batch engine feeds
+    them (`Engine.recorder`): a position fed again (a prompt cache cut back) replaces what
+    followed it. Kept as float16 device arrays, evaluated after each step (`settle`: a lazy
+    slice would keep the whole forward's outputs alive), until `arrays` asks for them."""
+
+    pending = []  # what the last step recorded, not yet evaluated (every log's)
+
+    def __init__(self):
+        self.blocks = []  # (first position, hidden [n, H], tapped [n, H] per tap)
+
+    def __call__(self, position, hidden, tapped):
+        import mlx.core as mx
+
+        block = (position, hidden.astype(mx.float16), [t.astype(mx.float16) for t in tapped])
+        self.blocks.append(block)
+        FeatureLog.pending += [block[1], *block[2]]
+
+    @classmethod
+    def settle(cls) -> None:
+        import mlx.core as mx
+
+        mx.eval(cls.pending)
+        cls.pending = []
+
+    def copy(self) -> "FeatureLog":
+        """What is logged so far (later feeds go to this log only)."""
+        log = FeatureLog()
+        log.blocks = list(self.blocks)
+        return log
+
+    def arrays(self, length: int) -> dict:
+        """float16 {"hidden": [length, H], "taps": [length, taps x H]} of positions 0..length-1."""
+        import mlx.core as mx
+        import numpy as np
+
+        kept = []
+        for pos, h, t in self.blocks:
+            while kept and kept[-1][0] >= pos:  # fed again from `pos`: what followed goes
+                kept.pop()
+            if kept and kept[-1][0] + kept[-1][1].shape[0] > pos:
+                p0, h0, t0 = kept[-1]
+                kept[-1] = (p0, h0[: pos - p0], [x[: pos - p0] for x in t0])
+            end = kept[-1][0] + kept[-1][1].shape[0] if kept else 0
+            if pos != end:
+                raise EagleError(f"the features of positions {end}..{pos - 1} were never fed.")
+            kept.append((pos, h, t))
+        self.blocks = kept
+        hidden = mx.concatenate([h for _, h, _ in kept])[:length].astype(mx.float16)
+        out = {"hidden": hidden}
+        if kept[0][2]:
+            out["taps"] = mx.concatenate([mx.concatenate(t, axis=-1) for _, _, t in kept]
+                                         )[:length].astype(mx.float16)
+        mx.eval(out)
+        if hidden.shape[0] != length:
+            raise EagleError(f"features of {hidden.shape[0]} positions for {length} tokens.")
+        return {k: np.array(v) for k, v in out.items()}
+
+
+# ------------------------------------------------------------------ shards
+def write_shard(out: Path, number: int, done: list):
+    """Write one shard of finished conversations; returns its index entry."""
+    from safetensors.numpy import save_file
+    done = sorted(done, key=lambda d: d["index"])
+    tokens = np.concatenate([np.asarray(d["tokens"], np.int32) for d in done])
+    arrays = {
+        "tokens": tokens,
+        "loss_mask": np.concatenate([np.asarray(d["mask"], np.uint8) for d in done]),
+        "offsets": np.cumsum([0] + [len(d["tokens"]) for d in done]).astype(np.int64),
+        "source": np.array([d["index"] for d in done], np.int64),
+        "hidden": np.concatenate([d["feats"]["hidden"] for d in done]),
+    }
+    if "taps" in done[0]["feats"]:
+        arrays["taps"] = np.concatenate([d["feats"]["taps"] for d in done])
+    for k in ("hidden", "taps"):
+        if k in arrays and not np.isfinite(arrays[k]).all():
+            raise EagleError(f"the target's {k} features overflow float16 (|x| > 65504) in "
+                             f"conversations {[d['index'] for d in done]}; they cannot be stored.")
+    name = f"shard_{number:05d}.safetensors"
+    atomic_file(out / name, lambda tmp: save_file(arrays, str(tmp)))
+    text = out / f"shard_{number:05d}.jsonl"
+    atomic_file(text, lambda tmp: tmp.write_text(
+        "".join(json.dumps({"id": f"regen-{d['index']}", "source_index": d["index"],
+                            "conversations": d["turns"]}) + "\n" for d in done),
+        encoding="utf-8"))
+    return {"file": name, "text": text.name, "sources": [d["index"] for d in done],
+            "tokens": int(len(tokens)), "answer_tokens": int(arrays["loss_mask"].sum())}
+
+
+class ShardWriter:
+    """Finished conversations into shards of `per_shard`, the index replaced after each."""
+
+    def __init__(self, out: Path, index: dict, per_shard: int):
+        self.out, self.index, self.per_shard = out, index, per_shard
+        self.finished, self.written = [], 0
+        self.t0, self.seconds0 = time.perf_counter(), index["seconds"]
+
+    def add(self, record) -> None:
+        self.finished.append(record)
+
+    def flush(self, final: bool = False) -> None:
+        while len(self.finished) >= self.per_shard or (final and self.finished):
+            part = self.finished[: self.per_shard]
+            self.finished = self.finished[self.per_shard:]
+            entry = write_shard(self.out, len(self.index["shards"]), part)
+            self.index["shards"].append(entry)
+            self.index["seconds"] = self.seconds0 + time.perf_counter() - self.t0
+            write_index(self.out, self.index)
+            self.written += len(part)
+
+    def report(self) -> None:
+        shards = self.index["shards"]
+        print(f"wrote {self.written} conversations to {self.out} "
+              f"({sum(s['tokens'] for s in shards)} tokens in {len(shards)} shards)")
