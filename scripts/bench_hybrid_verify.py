@@ -78,7 +78,7 @@ def cycle_phases(target, prompt_len, cycles=12):
     from eagle_mlx.heads.eagle import Eagle1Head, HeadArgs
     from eagle_mlx.decoding.profiling import PhaseTimer
     from eagle_mlx.decoding.steps import SamplingParams, eagle_steps
-    from eagle_mlx.train import new_head_config
+    from eagle_mlx.training.trainer import new_head_config
 
     head = Eagle1Head(HeadArgs.from_config(new_head_config(target), "eagle1"))
     mx.eval(head.parameters())

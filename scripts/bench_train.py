@@ -46,8 +46,9 @@ def main() -> int:
     from eagle_mlx.training.features import FeatureShards
     from eagle_mlx.regen import main as regen_main
     from eagle_mlx.targets.load import load_target
-    from eagle_mlx.train import (TRAINERS, ConversationData, FeatureData, build_parser,
-                                 check_args)
+    from eagle_mlx.train import build_parser, check_args
+    from eagle_mlx.training.data import ConversationData, FeatureData
+    from eagle_mlx.training.trainer import Trainer
 
     if a.model is None:
         from eagle_mlx.demo import demo_target
@@ -94,7 +95,7 @@ def main() -> int:
                 data = ConversationData(target, tokenizer, load_conversations(str(text)), args)
             else:
                 data = FeatureData(target, tokenizer, FeatureShards(feats, target), args)
-            trainer = TRAINERS[kind](target, data, args)
+            trainer = Trainer(target, data, args)
             order = data.epoch_order(0)
             batches = [data.batch(order[s: s + a.batch_size])
                        for s in range(0, (a.steps + 1) * a.batch_size, a.batch_size)]

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
 
     import eagle_mlx
     from eagle_mlx.heads.eagle import Eagle1Head, HeadArgs
-    from eagle_mlx.train import new_head_config
+    from eagle_mlx.training.trainer import new_head_config
 
     path = a.model or gemma3_file()
     t = time.time()
