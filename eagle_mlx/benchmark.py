@@ -545,6 +545,54 @@ def hybrid_trees(target, trees, default: bool) -> list:
     return kept
 
 
+def measure_trees(model, tokenizer, encoded, args, trees) -> dict:
+    """The report's measurements: the cost curves, then every prompt with plain decoding and
+    every tree at every temperature, summarised and calibrated per temperature."""
+    print(f"{len(encoded)} prompts, {len(trees)} trees, temperatures {args.temps}", file=sys.stderr)
+    prefix = int(statistics.median(len(ids) for _, ids in encoded))
+    sizes = sorted({1, 2, 4, 8, 16, 32, 64} | {t["total_tokens"] for t in trees})
+    sizes = [k for k in sizes if k <= max(t["total_tokens"] for t in trees) or k <= 16]
+    verify, draft = cost_curves(model, prefix, sizes, reps=7)
+    t1 = verify[1]
+    print("verify cost t(k)/t(1): " + ", ".join(f"{k}: {verify[k] / t1:.2f}" for k in sizes),
+          file=sys.stderr)
+    report = {"machine": machine(),
+              "model": str(model.target.path), "eagle": model.head_path, "head_kind": model.head.kind,
+              "max_tokens": args.max_tokens, "prompt_prefix_for_curves": prefix,
+              "verify_cost_curve": {str(k): verify[k] / t1 for k in sizes},
+              "draft_cost_curve": {str(k): draft[k] / t1 for k in sizes},
+              "verify_seconds": {str(k): verify[k] for k in sizes},
+              "prompts": [], "trees": {}, "overall": {}}
+    default, graph = model.tree_settings().asdict(), None
+    for temp in args.temps:
+        per_prompt = []
+        for i, (src, ids) in enumerate(encoded):
+            row, counted = measure_prompt(model, tokenizer, ids, args, trees, default, temp,
+                                          args.seed + i, count_graph=i == 0)
+            graph = counted or graph
+            per_prompt.append({"source": src, **row})
+            best = max(row["eagle"], key=lambda r: r["speedup"])
+            print(f"[{src} {i + 1}/{len(encoded)} temp {temp}] plain "
+                  f"{row['plain']['tokens_per_second']:.1f} tok/s; best tree "
+                  f"{best['tree']['total_tokens']}: tau {best['tau']:.2f}, "
+                  f"{best['tokens_per_second']:.1f} tok/s ({best['speedup']:.2f}x)", file=sys.stderr)
+        report["prompts"] += per_prompt
+        # summarise and calibrate: the model's expected speedup of every tree
+        plain_tps, summary = summarise(per_prompt, trees)
+        per_cycle, calibration = calibrate(per_prompt, trees, default, summary, verify, draft)
+        for s in summary:
+            s["expected_speedup"] = expected_tokens_per_second(
+                s["tree"], s["tau"], verify, draft, calibration) / plain_tps
+        report["trees"][str(temp)] = summary
+        _print_temp(temp, summary, plain_tps, graph, default)
+        split = {k: statistics.mean(r["cycle_split"][k] for r in per_prompt)
+                 for k in per_prompt[0]["cycle_split"]}
+        report["overall"][str(temp)] = {"plain_tokens_per_second": plain_tps, "cycle_split": split,
+                                        "graph_nodes_per_cycle": graph,
+                                        "cycle_seconds": per_cycle, "calibration": calibration}
+    return report
+
+
 def _main(argv):
     args = build_parser().parse_args(argv)
     trees = check_args(args)
@@ -588,49 +636,7 @@ def _main(argv):
         merged_lookup = None
     trees = hybrid_trees(model.target, trees, args.trees == DEFAULT_TREES)
 
-    # measure: the cost curves, then every prompt at every temperature
-    print(f"{len(encoded)} prompts, {len(trees)} trees, temperatures {args.temps}", file=sys.stderr)
-    prefix = int(statistics.median(len(ids) for _, ids in encoded))
-    sizes = sorted({1, 2, 4, 8, 16, 32, 64} | {t["total_tokens"] for t in trees})
-    sizes = [k for k in sizes if k <= max(t["total_tokens"] for t in trees) or k <= 16]
-    verify, draft = cost_curves(model, prefix, sizes, reps=7)
-    t1 = verify[1]
-    print("verify cost t(k)/t(1): " + ", ".join(f"{k}: {verify[k] / t1:.2f}" for k in sizes),
-          file=sys.stderr)
-    report = {"machine": machine(),
-              "model": str(model.target.path), "eagle": model.head_path, "head_kind": model.head.kind,
-              "max_tokens": args.max_tokens, "prompt_prefix_for_curves": prefix,
-              "verify_cost_curve": {str(k): verify[k] / t1 for k in sizes},
-              "draft_cost_curve": {str(k): draft[k] / t1 for k in sizes},
-              "verify_seconds": {str(k): verify[k] for k in sizes},
-              "prompts": [], "trees": {}, "overall": {}}
-    default, graph = model.tree_settings().asdict(), None
-    for temp in args.temps:
-        per_prompt = []
-        for i, (src, ids) in enumerate(encoded):
-            row, counted = measure_prompt(model, tokenizer, ids, args, trees, default, temp,
-                                          args.seed + i, count_graph=i == 0)
-            graph = counted or graph
-            per_prompt.append({"source": src, **row})
-            best = max(row["eagle"], key=lambda r: r["speedup"])
-            print(f"[{src} {i + 1}/{len(encoded)} temp {temp}] plain "
-                  f"{row['plain']['tokens_per_second']:.1f} tok/s; best tree "
-                  f"{best['tree']['total_tokens']}: tau {best['tau']:.2f}, "
-                  f"{best['tokens_per_second']:.1f} tok/s ({best['speedup']:.2f}x)", file=sys.stderr)
-        report["prompts"] += per_prompt
-        # summarise and calibrate: the model's expected speedup of every tree
-        plain_tps, summary = summarise(per_prompt, trees)
-        per_cycle, calibration = calibrate(per_prompt, trees, default, summary, verify, draft)
-        for s in summary:
-            s["expected_speedup"] = expected_tokens_per_second(
-                s["tree"], s["tau"], verify, draft, calibration) / plain_tps
-        report["trees"][str(temp)] = summary
-        _print_temp(temp, summary, plain_tps, graph, default)
-        split = {k: statistics.mean(r["cycle_split"][k] for r in per_prompt)
-                 for k in per_prompt[0]["cycle_split"]}
-        report["overall"][str(temp)] = {"plain_tokens_per_second": plain_tps, "cycle_split": split,
-                                        "graph_nodes_per_cycle": graph,
-                                        "cycle_seconds": per_cycle, "calibration": calibration}
+    report = measure_trees(model, tokenizer, encoded, args, trees)
 
     # choose at the first temperature (and the draft vocabulary for that tree), then write
     choice = choose(report["trees"][str(args.temps[0])], args.temps[0], report["machine"])

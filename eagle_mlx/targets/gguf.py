@@ -622,9 +622,28 @@ def _merges_from_scores(tokens: List[str], scores: List[float]) -> List[Tuple[st
     return [(a, b) for a, b, _ in merges]
 
 
+def _byte_level_pre_tokenizer(pre: str, path: Path):
+    """The pre-tokenizer llama.cpp names `pre` for a byte-level BPE vocabulary."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre in PRE_TOKENIZER_SPLITS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre in DIGIT_PRE_TOKENIZERS:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre in GPT2_PRE_TOKENIZERS:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    known = sorted(set(PRE_TOKENIZER_SPLITS) | set(DIGIT_PRE_TOKENIZERS) | set(GPT2_PRE_TOKENIZERS))
+    raise EagleError(f"GGUF file {path} uses the pre-tokenizer '{pre}', which is not "
+                     f"supported; supported: {', '.join(known)}.")
+
+
 def build_tokenizer(meta: dict, path: Path):
     """mlx-lm's TokenizerWrapper for the vocabulary in the GGUF metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     kind = meta.get("tokenizer.ggml.model")
@@ -643,20 +662,7 @@ def build_tokenizer(meta: dict, path: Path):
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
         tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges,
                                    fuse_unk=False, byte_fallback=False))
-        if pre in PRE_TOKENIZER_SPLITS:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        elif pre in DIGIT_PRE_TOKENIZERS:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-        elif pre in GPT2_PRE_TOKENIZERS:
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            known = sorted(set(PRE_TOKENIZER_SPLITS) | set(DIGIT_PRE_TOKENIZERS) | set(GPT2_PRE_TOKENIZERS))
-            raise EagleError(f"GGUF file {path} uses the pre-tokenizer '{pre}', which is not "
-                             f"supported; supported: {', '.join(known)}.")
+        tok.pre_tokenizer = _byte_level_pre_tokenizer(pre, path)
         tok.decoder = decoders.ByteLevel()
         detokenizer = mlxlm.BPEStreamingDetokenizer
         control = [t for t, k in zip(tokens, types) if k == CONTROL and set(t) <= alphabet]
