@@ -1,4 +1,5 @@
-"""Public generation API (the shape mlx-lm users know) and `python -m eagle_mlx.generate`.
+"""The public generation API, in the shape mlx-lm users know: `stream_generate`, `generate`,
+`batch_generate`.
 
     model, tokenizer = eagle_mlx.load(target, eagle=head)
     for r in eagle_mlx.stream_generate(model, tokenizer, prompt, max_tokens=256):

@@ -30,7 +30,7 @@ from .tree import Tree, tree_from_parents
 
 # per-token acceptance of a lookup draft by match length (the largest key at most the match;
 # capped at MAX_MATCH_KEY): what `python -m eagle_mlx.benchmark --lookup` measured on the
-# demo pair, greedy, over edit-style, HumanEval and MT-bench prompts (README, "Prompt
+# demo pair, greedy, over edit-style, HumanEval and MT-bench prompts (docs/performance.md, "Prompt
 # lookup"): 0.852 after matches of 2-7 tokens, 0.983 after 8 or more; a 1-token match
 # (min_match 1), not measured there, is ranked below them
 DEFAULT_ACCEPT = {1: 0.5, 2: 0.85, 8: 0.98}
@@ -43,7 +43,7 @@ class LookupSettings:
     max_draft: the most tokens a branch copies; branches: the most distinct continuations;
     accept: per-token acceptance by match length (the benchmark's calibration)."""
 
-    min_match: int = 2   # measured best of 1, 2, 3 (scripts/bench_lookup.py; README)
+    min_match: int = 2   # measured best of 1, 2, 3 (scripts/bench_lookup.py; docs/performance.md)
     max_draft: int = 16  # measured best of 4, 8, 16
     branches: int = 3
     accept: Dict[int, float] = field(default_factory=lambda: dict(DEFAULT_ACCEPT))

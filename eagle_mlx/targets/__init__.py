@@ -1,8 +1,9 @@
 """Targets: mlx-lm's models made tree-capable without changing them.
 
 `target` holds the `Target` adapter (one forward over a tree of tokens, keeping an accepted
-path), `load` reads a checkpoint (folder, Hub repo, GGUF) into one; `families` and
-`mechanisms` describe each model type's layers, `gated_delta` is the tree recurrence of
-the linear-attention hybrids, `cache` the caches the tree forward writes to.
+path), `load` reads a checkpoint (folder, Hub repo, GGUF via `gguf`) into one, with the
+dtypes of `dtypes`; `families` describes how each model type runs its layers in a tree (and
+the Gated DeltaNet tree recurrence of the hybrids), `layers` the RoPE and attention at
+per-token positions, `cache` the caches the tree forward writes to.
 Imports only the ground modules (errors, mlxlm, outputs, hub).
 """
