@@ -17,13 +17,14 @@ token comes from p with all children zeroed. The output distribution is the targ
 import mlx.core as mx
 
 from .. import mlxlm
+from ..targets.layers import log_softmax
 from .compiled import compiled
 from .tree import Tree
 
 
 def _process_logits(temp: float, top_p: float, top_k: int, min_p: float, logits: mx.array):
     logprobs = logits.astype(mx.float32)
-    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    logprobs = log_softmax(logprobs)
     if 0 < top_p < 1.0:
         logprobs = mlxlm.apply_top_p(logprobs, top_p)
     if min_p > 0:
@@ -31,7 +32,7 @@ def _process_logits(temp: float, top_p: float, top_k: int, min_p: float, logits:
     if 0 < top_k < logits.shape[-1]:
         logprobs = mlxlm.apply_top_k(logprobs, top_k)
     logprobs = logprobs * (1 / temp)
-    return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    return log_softmax(logprobs)
 
 
 def process_logits(logits: mx.array, temp: float, top_p: float = 1.0, top_k: int = 0,

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import check, is_int
 from ..targets.cache import BatchHeadCache
+from ..targets.layers import log_softmax
 from .drafters import Drafter, DraftRow
 from .engine import Engine, State, Step, Verified, generation_stream
 from .plan import prepare
@@ -333,7 +334,7 @@ class BatchGenerator:
             else:  # the next token as plain decoding picks it
                 lp = logits[b, 0]
                 if s.plain:  # (mlx-lm's generate_step hands its sampler log-probabilities)
-                    lp = lp - mx.logsumexp(lp, keepdims=True)
+                    lp = log_softmax(lp)
                 results.append((mx.ones((1,), dtype=mx.bool_), s.engine.sampling.pick(
                     lp, s.state.key()).reshape(())))
         return verified, results

@@ -7,9 +7,12 @@ pass per cycle.
 A cycle is one lazy MLX graph (the drafter's catch-up and proposal, the verify pass,
 acceptance) synchronised with the host once, to learn which nodes were accepted (marked
 `SYNC`). The drafter is anything that implements `drafters.Drafter`; the target's layers
-each bring their own mechanism (`target.Target.mechanisms`): how they run in a tree
+each bring their own mechanism (`targets.target.Target.mechanisms`): how they run in a tree
 verify and what their caches keep after acceptance. Prompt caching, profiling and tracing
-are layered around the cycle by the callers (`speculative.py`, `profiling.py`).
+are layered around the cycle by the callers (`steps.py`, `profiling.py`). A batch's cycle
+(`batch.py`) accepts and advances each row with this engine's `accept` and `advance`; this
+single-sequence cycle stays apart from it for speed (a batch of one, with ragged caches and
+masks, decodes slower: docs/performance.md, continuous batching).
 """
 
 from dataclasses import dataclass, field

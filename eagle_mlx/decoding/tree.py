@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..targets.cache import BatchHeadCache
+from ..targets.layers import log_softmax
 from .compiled import compiled
 
 # The static tree of the official EAGLE-1 code (eagle-llm's `mc_sim_7b_63`): 25 nodes + root.
@@ -56,11 +57,6 @@ def _topk(x: mx.array, k: int):
     return mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
 
 
-def _log_softmax(x: mx.array) -> mx.array:
-    x = x.astype(mx.float32)
-    return x - mx.logsumexp(x, axis=-1, keepdims=True)
-
-
 def ancestors(parents: mx.array, max_depth: int) -> mx.array:
     """Ancestor-or-self mask from parent pointers (root = its own parent)."""
     n = parents.shape[0]
@@ -73,21 +69,33 @@ def ancestors(parents: mx.array, max_depth: int) -> mx.array:
 
 def _first_level(k: int, logits: mx.array):
     """The root's k best children: (draft ids [k], log-probabilities [k])."""
-    return _topk(_log_softmax(logits), k)
+    return _topk(log_softmax(logits), k)
+
+
+def _next_level_batch(logits: mx.array, scores: mx.array, tree_mask: mx.array):
+    """One level of the dynamic tree for B rows, from the head's logits [B, k, V] at each
+    row's k frontier nodes: each node's k best children, their cumulative scores, and the k
+    best of those k*k as the next frontier (which candidates, their scores [B, k], which
+    frontier node each came from, and the frontier's mask over the drafted levels)."""
+    B, k = scores.shape
+    child_ids, child_lp = _topk(log_softmax(logits), k)                 # [B, k, k]
+    cum = (child_lp + scores[..., None]).reshape(B, -1)
+    chosen, best = _topk(cum, k)
+    from_node = chosen // k
+    picked = mx.take_along_axis(tree_mask, from_node[..., None], axis=1)
+    mask = mx.concatenate([picked, mx.broadcast_to(mx.eye(k, dtype=mx.bool_), (B, k, k))], axis=2)
+    return child_ids.reshape(B, -1), cum, chosen, best, from_node, mask
 
 
 def _next_level(logits: mx.array, scores: mx.array, tree_mask: mx.array):
-    """One level of the dynamic tree from the head's logits [k, V] at the k frontier nodes:
-    each node's k best children, their cumulative scores, and the k best of those k*k as
-    the next frontier (which candidates, their scores, which frontier node each came from,
-    and the frontier's mask over the drafted levels)."""
-    k = scores.shape[0]
-    child_ids, child_lp = _topk(_log_softmax(logits), k)                 # [k, k]
-    cum = (child_lp + scores[:, None]).reshape(-1)
-    chosen, best = _topk(cum, k)
-    from_node = chosen // k
-    mask = mx.concatenate([tree_mask[from_node], mx.eye(k, dtype=mx.bool_)], axis=1)
-    return child_ids.reshape(-1), cum, chosen, best, from_node, mask
+    """`_next_level_batch` for one sequence: logits [k, V], scores [k], tree_mask [k, W]."""
+    return tuple(x[0] for x in _next_level_batch(logits[None], scores[None], tree_mask[None]))
+
+
+def _parent_offset(level: int, top_k: int) -> int:
+    """Pool ids of the frontier chosen at `level`: 1 + flat index into the concatenated
+    levels' scores (level 0 has k nodes, every later level k*k candidates)."""
+    return 1 + top_k * top_k * max(0, level - 1) + (top_k if level > 0 else 0)
 
 
 def _rerank(n: int, top_k: int, depth: int, all_scores, all_tokens, all_parents, root):
@@ -117,6 +125,8 @@ def draft_dynamic(head, target, cache, features: mx.array, tokens: mx.array, roo
     features [m, F] paired with tokens [m] are the positions the head has not seen
     (feature i with token i+1, the last pair being (f_last, root)). `cache` keeps
     only real positions: the tree levels are dropped again before returning.
+    (Kept apart from `draft_dynamic_batch` for speed: a batch of one, with its ragged caches
+    and masks, decodes slower than this path — docs/performance.md, continuous batching.)
     """
     embed = target.embed_tokens
     out = head(features[None], tokens[None], embed, cache, fed_back=False)
@@ -134,10 +144,7 @@ def draft_dynamic(head, target, cache, features: mx.array, tokens: mx.array, roo
         positions = mx.full((top_k,), stable + level, dtype=mx.int32)
         out = head(hidden, frontier[None], embed, cache, positions=positions,
                    mask=_tree_step_mask(stable, tree_mask), fed_back=True)    # [1, k, H]
-        # node ids count 1 + flat index into concat(scores_list): level 0 has k nodes,
-        # every later level k*k candidates
-        bias = 1 + top_k * top_k * max(0, level - 1) + (top_k if level > 0 else 0)
-        parents_list.append(chosen + bias)
+        parents_list.append(chosen + _parent_offset(level, top_k))
         child_ids, cum, chosen, scores, from_node, tree_mask = compiled(_next_level)(
             head.logits(out[0], target), scores, tree_mask)
         hidden = out[:, from_node]
@@ -151,18 +158,6 @@ def draft_dynamic(head, target, cache, features: mx.array, tokens: mx.array, roo
     return Tree(*compiled(_rerank, total_tokens - 1, top_k, depth)(
         mx.concatenate(scores_list), mx.concatenate(tokens_list), mx.concatenate(parents_list),
         root))
-
-
-def _next_level_batch(logits: mx.array, scores: mx.array, tree_mask: mx.array):
-    """`_next_level` for B rows at once: logits [B, k, V], scores [B, k], tree_mask [B, k, W]."""
-    B, k = scores.shape
-    child_ids, child_lp = _topk(_log_softmax(logits), k)                 # [B, k, k]
-    cum = (child_lp + scores[..., None]).reshape(B, -1)
-    chosen, best = _topk(cum, k)
-    from_node = chosen // k
-    picked = mx.take_along_axis(tree_mask, from_node[..., None], axis=1)
-    mask = mx.concatenate([picked, mx.broadcast_to(mx.eye(k, dtype=mx.bool_), (B, k, k))], axis=2)
-    return child_ids.reshape(B, -1), cum, chosen, best, from_node, mask
 
 
 def draft_dynamic_batch(head, target, cache: BatchHeadCache, features, tokens, roots,
@@ -193,7 +188,7 @@ def draft_dynamic_batch(head, target, cache: BatchHeadCache, features, tokens, r
     stable = layers[0].held
     last = mx.take_along_axis(out, mx.array([max(n - 1, 0) for n in m])[:, None, None],
                               axis=1)                                        # [B, 1, H]
-    ids, scores = _topk(_log_softmax(head.logits(last[:, 0], target)), top_k)   # [B, k]
+    ids, scores = _topk(log_softmax(head.logits(last[:, 0], target)), top_k)   # [B, k]
     ids = head.to_target_ids(ids)
     scores_list, tokens_list = [scores], [ids]
     parents_list = [mx.zeros((B, 1), dtype=mx.int32)]
@@ -207,8 +202,7 @@ def draft_dynamic_batch(head, target, cache: BatchHeadCache, features, tokens, r
                    mask=layers[0].level_mask(stable, tree_mask), fed_back=True)   # [B, k, H]
         for c in layers:
             c.keep()
-        bias = 1 + top_k * top_k * max(0, level - 1) + (top_k if level > 0 else 0)
-        parents_list.append(chosen + bias)
+        parents_list.append(chosen + _parent_offset(level, top_k))
         child_ids, cum, chosen, scores, from_node, tree_mask = compiled(_next_level_batch)(
             head.logits(out, target), scores, tree_mask)
         hidden = mx.take_along_axis(out, from_node[..., None], axis=1)
@@ -306,7 +300,7 @@ class StaticTree:
         stable = cache.offset
         logits = head.logits(out[0, -1:], target)              # [1, V]
         first_ids = _topk(logits, self.top_k)[0]
-        first_lp = mx.take_along_axis(_log_softmax(logits), first_ids, axis=-1)
+        first_lp = mx.take_along_axis(log_softmax(logits), first_ids, axis=-1)
         topk_ids = [head.to_target_ids(first_ids)]             # per step: [parents, k]
         topk_lp = [first_lp]                                   # their log-probabilities
         hidden = out[:, -1:]
@@ -320,7 +314,7 @@ class StaticTree:
             logits = head.logits(out[0], target)
             ids = _topk(logits, self.top_k)[0]
             topk_ids.append(head.to_target_ids(ids))
-            topk_lp.append(mx.take_along_axis(_log_softmax(logits), ids, axis=-1))
+            topk_lp.append(mx.take_along_axis(log_softmax(logits), ids, axis=-1))
         cache.truncate(stable)
         node_tokens = [topk_ids[d].reshape(-1)[self.token_index[d]] for d in range(self.max_depth)]
         tokens = mx.concatenate([root.reshape(1).astype(node_tokens[0].dtype)] + node_tokens)

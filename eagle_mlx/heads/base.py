@@ -31,6 +31,24 @@ class HeadSource:
         return replace(self, **changes)
 
 
+def check_weights(module: nn.Module, weights: dict, what: str) -> None:
+    """Every tensor a head's config implies, and no other, each of the shape it implies
+    (`what`: the head and its file, as the sentence names them)."""
+    from mlx.utils import tree_flatten
+
+    expected = dict(tree_flatten(module.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        parts = ([f"missing keys {', '.join(missing[:8])}"] if missing else []) + \
+            ([f"unexpected keys {', '.join(unexpected[:8])}"] if unexpected else [])
+        raise EagleError(f"{what} does not match its config: {'; '.join(parts)}.")
+    for k, v in weights.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            raise EagleError(f"tensor {k} of {what} has shape {tuple(v.shape)}, but its config "
+                             f"implies {tuple(expected[k].shape)}.")
+
+
 class DraftHead(nn.Module):
     """A draft head (the module docstring). Subclasses set `kind` and implement the
     methods that raise here."""

@@ -29,7 +29,7 @@ from ..errors import EagleError
 from ..targets.cache import HeadCache
 from ..targets.load import hybrid_overrides, stacked_experts
 from ..targets.families import HYBRID_TYPES, PositionedRoPE, RopeContext, text_config
-from .base import DraftHead, HeadSource
+from .base import DraftHead, HeadSource, check_weights
 
 INDEX = "model.safetensors.index.json"
 PREFIX = "mtp."
@@ -222,8 +222,6 @@ def build_mtp(config: dict, weights: Dict[str, mx.array], path: Path, converted:
                          f"{sorted({k.split('.')[1] for k in weights if k.startswith('layers.')})}"
                          f", not the {text_config(config).get('mtp_num_hidden_layers')} "
                          "its config names.")
-    from mlx.utils import tree_flatten
-
     text = dict(text_config(config))
     source = HeadSource(path=path, layout=layout or f"{config.get('model_type')} MTP module",
                         model_type=text.get("model_type"), config=text)
@@ -235,18 +233,7 @@ def build_mtp(config: dict, weights: Dict[str, mx.array], path: Path, converted:
         nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
                     class_predicate=lambda p, m: isinstance(m, (nn.Linear, nn.Embedding))
                     and f"{p}.scales" in weights)
-    expected = dict(tree_flatten(head.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        parts = ([f"missing {', '.join(missing[:6])}"] if missing else []) + \
-            ([f"unexpected {', '.join(unexpected[:6])}"] if unexpected else [])
-        raise EagleError(f"the MTP module in {path} does not match its config "
-                         f"({'; '.join(parts)}).")
-    for k, v in weights.items():
-        if tuple(v.shape) != tuple(expected[k].shape):
-            raise EagleError(f"MTP tensor {k} in {path} has shape {tuple(v.shape)}, but the "
-                             f"config implies {tuple(expected[k].shape)}.")
+    check_weights(head, weights, f"the MTP module in {path}")
     head.load_weights(list(weights.items()))
     head.eval()
     return head

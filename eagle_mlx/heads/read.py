@@ -14,12 +14,11 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
 from ..errors import EagleError, is_int
 from ..hub import resolve
 from ..targets.load import read_config
-from .base import HeadSource
+from .base import HeadSource, check_weights
 from .eagle import HEAD_CLASSES, ROPE_TYPES, HeadArgs
 from .layouts import family_name, translate
 from .mtp import INDEX, build_mtp, is_mtp_config, mtp_shards, read_mtp_weights
@@ -176,22 +175,7 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
     if quant:
         nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
                     class_predicate=quantize_predicate(quant["group_size"], weights))
-    expected = dict(tree_flatten(head.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys {', '.join(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys {', '.join(unexpected)}")
-        raise EagleError(f"{kind} head in {path} does not match its config: {'; '.join(parts)}.")
-    for k, v in weights.items():
-        if tuple(v.shape) != tuple(expected[k].shape):
-            raise EagleError(
-                f"tensor {k} in {path} has shape {tuple(v.shape)}, but the head config "
-                f"implies {tuple(expected[k].shape)}."
-            )
+    check_weights(head, weights, f"{kind} head in {path}")
     if "d2t" in weights:
         weights["d2t"] = weights["d2t"].astype(mx.int64)
     if kind == "eagle3" and args.draft_vocab_size != args.vocab_size and "d2t" not in weights:

@@ -86,3 +86,10 @@ def attention(
         mask = "causal"
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
     return out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+
+
+def log_softmax(x: mx.array) -> mx.array:
+    """Log-probabilities over the last axis: x - logsumexp(x) (what every draft score,
+    acceptance and loss in the package uses; mlx.nn.log_softmax shifts by the max first, which
+    rounds differently)."""
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)

@@ -6,8 +6,8 @@ quantized weights, the tokenizer with its chat template). `Target` runs the same
 modules with what verification needs and mlx-lm's forward lacks: per-token position
 ids, an explicit mask over cache + new tokens (each sliding-window layer: within its
 window), the post-norm hidden state (EAGLE-1/2 features) and the inputs of chosen decoder
-layers (EAGLE-3 features). How each family runs its layers: `families.py`; loading a checkpoint into a Target:
-`load.py`.
+layers (EAGLE-3 features). How each family runs its layers: `families.py`; loading a
+checkpoint into a Target: `load.py`.
 """
 
 from pathlib import Path

@@ -31,6 +31,7 @@ from ..heads.eagle import Eagle1Head, Eagle3Head, HeadArgs
 from ..heads.read import load_head
 from ..heads.write import save_head
 from ..outputs import atomic_file
+from ..targets.layers import log_softmax
 from ..targets.load import convert_dtype
 from . import ttt
 
@@ -151,7 +152,7 @@ def eagle1_loss(head, batch: Batch, embed, vocab: Vocabulary):
     b = batch
     pred = head(b.feats, b.toks, embed)
     logits = vocab.logits(pred.reshape(-1, pred.shape[-1])[b.sel])
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logp = log_softmax(logits)
     denom = b.mask.sum() + 1e-5
     ce, top = cross_entropy_terms(logp, b.labels)
     if b.keep is None:
@@ -178,7 +179,7 @@ def eagle1_unrolled_loss(head, batch: Batch, embed, vocab: Vocabulary):
         out = outs[j]
         w = live if b.keep is None else live & b.keep
         logits = vocab.logits(rows)
-        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logp = log_softmax(logits)
         ce, top = cross_entropy_terms(logp, b.labels)
         ploss = -(w * ce).sum() / denom
         vloss = (b.mask[:, j:] * smooth_l1(out[:, : T - j], b.target_feats[:, j:]).mean(-1)

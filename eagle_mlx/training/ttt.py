@@ -22,6 +22,8 @@ from typing import List
 
 import mlx.core as mx
 
+from ..targets.layers import log_softmax
+
 STEP_WEIGHT = 0.8  # the recipe's per-step loss weights: 0.8**j
 
 
@@ -113,7 +115,7 @@ def unrolled_loss(head, feats, toks, embed, target_p, keep, sel, T, denom):
     top = target_p if hard else target_p.argmax(-1)
     for j, rows, live in step_rows(outs, sel, T):
         logits = head.lm_head(head.norm(rows)).astype(mx.float32)
-        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logp = log_softmax(logits)
         w = (live & keep).astype(mx.float32)
         if hard:
             ll = mx.take_along_axis(logp, target_p[:, None], axis=-1)[:, 0]
