@@ -69,9 +69,12 @@ NAMED_TREES = {"mc_sim_7b_63": MC_SIM_7B_63}
 def add_model_args(p: argparse.ArgumentParser) -> None:
     from .demo import DEMO_NOTE
 
-    p.add_argument("--model", help=f"target folder or Hugging Face repo id ({DEMO_NOTE})")
-    p.add_argument("--eagle", help="EAGLE head folder or repo id (MLX or PyTorch); "
-                                   "omitted: plain decoding, unless the demo target is used")
+    p.add_argument("--model", help=f"target folder, Hugging Face repo id or GGUF file "
+                                   f"({DEMO_NOTE})")
+    p.add_argument("--eagle", help="draft head folder or repo id (an EAGLE head in MLX or any "
+                                   "published PyTorch layout, or a checkpoint whose MTP module "
+                                   "drafts); omitted: plain decoding, unless the demo target is "
+                                   "used")
     add_dtype_arg(p)
     add_draft_vocab_args(p)
     add_lookup_args(p)

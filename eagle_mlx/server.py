@@ -23,7 +23,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional
 
-from .cli import ArgumentParser, add_draft_vocab_args, add_dtype_arg, add_lookup_args, run_cli
+from .cli import ArgumentParser, add_model_args, run_cli
 from .errors import EagleError, is_int
 
 MAX_BODY_BYTES = 1 << 20  # default limit on a request body
@@ -604,16 +604,9 @@ class Server(ThreadingHTTPServer):
 
 
 def build_parser() -> ArgumentParser:
-    from .demo import DEMO_NOTE
-
     p = ArgumentParser(prog="python -m eagle_mlx.server",
                        description="An OpenAI-compatible server with EAGLE speculative decoding.")
-    p.add_argument("--model", help=f"target folder, repo id or GGUF file ({DEMO_NOTE})")
-    p.add_argument("--eagle", help="EAGLE head folder or repo id (omitted: plain decoding, unless "
-                                   "the demo target is used)")
-    add_dtype_arg(p)
-    add_draft_vocab_args(p)
-    add_lookup_args(p)
+    add_model_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")

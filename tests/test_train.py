@@ -11,7 +11,7 @@ from eagle_mlx import EagleError, load_head, load_target
 from eagle_mlx.convert import main as convert_main
 from eagle_mlx.training.data import load_conversations
 from eagle_mlx.train import main as train_main
-from tiny import make_hf_model
+from tiny import make_hf_model, two_turn_conversations
 
 
 @pytest.fixture(scope="module")
@@ -21,11 +21,8 @@ def setup(tmp_path_factory):
                            scale=4.0)
     rng = random.Random(0)
     words = lambda n: " ".join(f"t{rng.randint(6, 63)}" for _ in range(n))  # noqa: E731
-    data = [{"id": str(i), "conversations": [
-        {"from": "human", "value": words(rng.randint(3, 8))},
-        {"from": "gpt", "value": words(rng.randint(8, 20))},
-        {"from": "human", "value": words(4)}, {"from": "gpt", "value": words(10)}]}
-        for i in range(160)]
+    data = two_turn_conversations(rng, 160, lambda: words(rng.randint(3, 8)), words,
+                                  lambda: words(4))
     path = root / "data.json"
     path.write_text(json.dumps(data))
     return root, target, path

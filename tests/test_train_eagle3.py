@@ -15,7 +15,7 @@ from eagle_mlx.convert import main as convert_main
 from eagle_mlx.train import main as train_main
 from eagle_mlx.decoding.tree import draft_dynamic
 from eagle_mlx.training import ttt
-from tiny import make_eagle_head, make_hf_model
+from tiny import make_eagle_head, make_hf_model, two_turn_conversations
 
 # the answers draw on a few words far more often than on the rest: the draft vocabulary
 # of the data is then plain to see
@@ -33,11 +33,9 @@ def setup(tmp_path_factory):
     def answer(n):
         return " ".join(rng.choices(COMMON, weights)[0] if rng.random() < 0.9
                         else f"t{rng.randint(30, 63)}" for _ in range(n))
-    data = [{"id": str(i), "conversations": [
-        {"from": "human", "value": " ".join(f"t{rng.randint(6, 63)}" for _ in range(5))},
-        {"from": "gpt", "value": answer(rng.randint(8, 20))},
-        {"from": "human", "value": "t7 t8"}, {"from": "gpt", "value": answer(10)}]}
-        for i in range(160)]
+    data = two_turn_conversations(
+        rng, 160, lambda: " ".join(f"t{rng.randint(6, 63)}" for _ in range(5)), answer,
+        lambda: "t7 t8")
     path = root / "data.json"
     path.write_text(json.dumps(data))
     return root, target, path, data

@@ -135,6 +135,16 @@ def make_hf_model(folder: Path, kind: str = "llama", seed: int = 0, scale: float
     return folder
 
 
+def two_turn_conversations(rng, n: int, ask, answer, follow_up) -> list:
+    """n ShareGPT conversations of two turns: ask(), an answer of 8-20 words, follow_up(),
+    an answer of 10 (answer(k): k words), drawn in that order from `rng`."""
+    return [{"id": str(i), "conversations": [
+        {"from": "human", "value": ask()},
+        {"from": "gpt", "value": answer(rng.randint(8, 20))},
+        {"from": "human", "value": follow_up()}, {"from": "gpt", "value": answer(10)}]}
+        for i in range(n)]
+
+
 def continue_greedily(target, cache, logits, n: int) -> list:
     """n greedy tokens: the argmax of `logits` [V], then each next one after feeding the
     last through `target` with `cache` (what the target alone would continue with)."""
