@@ -20,6 +20,7 @@ import threading
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from .errors import EagleError
 
@@ -118,8 +119,6 @@ def peer_lost(e: BaseException) -> Optional[str]:
 
 def share_text(g, text: Optional[str]) -> Optional[str]:
     """Rank 0's text (None: the end of input) on every rank."""
-    import numpy as np
-
     if g is None:
         return text
     data = (text or "").encode("utf-8") if g.rank() == 0 else b""

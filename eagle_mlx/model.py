@@ -1,6 +1,6 @@
 """`load`: a target, optionally paired with an EAGLE head, ready for `stream_generate`."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import mlx.core as mx
@@ -115,8 +115,6 @@ def _calibrated(lookup, tuning):
     the caller's settings object is left as it is."""
     if lookup is None or not (tuning and tuning.get("lookup_accept")):
         return lookup
-    from dataclasses import replace
-
     return replace(lookup, accept={int(k): float(v) for k, v in tuning["lookup_accept"].items()})
 
 

@@ -2,6 +2,8 @@
 timed on its own (a sync after every phase: for profiling, not for measuring speed), and
 the MLX operations each phase evaluates counted."""
 
+import io
+import re
 import time
 
 import mlx.core as mx
@@ -45,9 +47,6 @@ class GraphCounter(PhaseTimer):
 
     def lap(self, phase: str, *arrays) -> None:
         if self._last is not None and arrays:
-            import io
-            import re
-
             start = time.perf_counter()
             dot = io.StringIO()
             mx.export_to_dot(dot, *arrays)

@@ -13,6 +13,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..errors import EagleError
 
@@ -34,8 +35,6 @@ class HeadSource:
 def check_weights(module: nn.Module, weights: dict, what: str) -> None:
     """Every tensor a head's config implies, and no other, each of the shape it implies
     (`what`: the head and its file, as the sentence names them)."""
-    from mlx.utils import tree_flatten
-
     expected = dict(tree_flatten(module.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))

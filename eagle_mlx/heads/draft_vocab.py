@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from .. import mlxlm
@@ -129,8 +130,6 @@ def draft_vocab(target, order: np.ndarray, n: int) -> DraftVocab:
 
 def lm_head_rows(target, ids: mx.array) -> mx.array:
     """Rows of the target's output matrix (dequantized where it is quantized)."""
-    import mlx.nn as nn
-
     lm = target.family.lm
     head = lm.lm_head if hasattr(lm, "lm_head") else target.embed_tokens
     if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):

@@ -6,6 +6,7 @@ unpickler here resolves only the handful of globals that rebuild tensors; any
 other global ends the read with an error naming it, before anything is called.
 """
 
+import io
 import pickle
 import zipfile
 from pathlib import Path
@@ -75,8 +76,6 @@ _ALLOWED = {
 
 class _SafeUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, zf: zipfile.ZipFile, prefix: str, name: str):
-        import io
-
         super().__init__(io.BytesIO(data))
         self.zf, self.prefix, self.name = zf, prefix, name
         self.storages = {}

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+from tqdm import tqdm
 
 from ..errors import EagleError
 from ..outputs import atomic_dir
@@ -63,8 +64,6 @@ def head_config(head, source_config: dict) -> dict:
 
 def save_head(head, source_config: dict, out: Path, dtype: Optional[str] = None,
               q_bits: Optional[int] = None, q_group_size: int = 64) -> None:
-    from tqdm import tqdm
-
     config = head_config(head, source_config)
     params = dict(tree_flatten(head.parameters()))
     if dtype:

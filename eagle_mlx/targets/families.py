@@ -20,6 +20,7 @@ mlx-lm's own forward does not implement them (Qwen2/Qwen3 `use_sliding_window`, 
 and Mixtral's `sliding_window`), plain decoding runs this forward too (`Target.plain_model`).
 """
 
+import math
 from typing import List, Optional
 
 import mlx.core as mx
@@ -507,8 +508,6 @@ def untruncated_yarn(family: Family) -> None:
     dimensions. mlx-lm's YarnRoPE always rounds it (its frequencies then differ from the
     model's); the frequencies of each YarnRoPE are recomputed here, before anything runs,
     so that mlx-lm's own forward and the tree forward both use the model's."""
-    import math
-
     text = family.text_config()
     params = text.get("rope_scaling") or text.get("rope_parameters") or {}
     if params.get("rope_type", params.get("type")) != "yarn" or params.get("truncate", True):

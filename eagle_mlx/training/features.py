@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import mlx.core as mx
 import numpy as np
+from safetensors.numpy import save_file
 
 from ..errors import EagleError
 from ..outputs import atomic_file
@@ -186,16 +188,12 @@ class FeatureLog:
         self.blocks = []  # (first position, hidden [n, H], tapped [n, H] per tap)
 
     def __call__(self, position, hidden, tapped):
-        import mlx.core as mx
-
         block = (position, hidden.astype(mx.float16), [t.astype(mx.float16) for t in tapped])
         self.blocks.append(block)
         FeatureLog.pending += [block[1], *block[2]]
 
     @classmethod
     def settle(cls) -> None:
-        import mlx.core as mx
-
         mx.eval(cls.pending)
         cls.pending = []
 
@@ -207,9 +205,6 @@ class FeatureLog:
 
     def arrays(self, length: int) -> dict:
         """float16 {"hidden": [length, H], "taps": [length, taps x H]} of positions 0..length-1."""
-        import mlx.core as mx
-        import numpy as np
-
         kept = []
         for pos, h, t in self.blocks:
             while kept and kept[-1][0] >= pos:  # fed again from `pos`: what followed goes
@@ -236,7 +231,6 @@ class FeatureLog:
 # ------------------------------------------------------------------ shards
 def write_shard(out: Path, number: int, done: list):
     """Write one shard of finished conversations; returns its index entry."""
-    from safetensors.numpy import save_file
     done = sorted(done, key=lambda d: d["index"])
     tokens = np.concatenate([np.asarray(d["tokens"], np.int32) for d in done])
     arrays = {

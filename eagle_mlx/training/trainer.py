@@ -24,6 +24,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
+from tqdm import tqdm
 
 from ..errors import EagleError
 from ..heads.draft_vocab import eagle3_mapping, lm_head_rows
@@ -446,8 +447,6 @@ class Trainer:
     def run(self):
         """Train until --max-steps or --max-time (Ctrl-C: after the step under way), save;
         returns (the last held-out metrics or None if interrupted, seconds)."""
-        from tqdm import tqdm
-
         args = self.args
         log = open(self.out / LOG_FILE, "a")
         start, before = time.time(), self.seconds
