@@ -2,7 +2,11 @@
 module lists (each behind a function of its own)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import eagle_mlx
 from eagle_mlx import mlxlm
@@ -76,7 +80,7 @@ def test_private_members_of_other_libraries_only_through_the_boundary():
     assert reached and all(name in listed for name in reached), (reached, listed)
 
 
-GROUND = {"errors", "mlxlm", "outputs", "hub"}
+GROUND = {"errors", "mlxlm", "outputs", "hub", "tensorfiles"}
 # what each layer may import besides the ground modules and itself
 BELOW = {"targets": set(), "heads": {"targets"}, "decoding": {"targets"},
          "training": {"targets", "heads"}}
@@ -116,3 +120,23 @@ def test_layers_import_downhill():
             if module and top not in allowed:
                 offenders.append(f"{path.relative_to(PACKAGE)}:{line} imports {module}")
     assert not offenders, offenders
+
+
+LIGHT_TOOLS = ["generate", "chat", "convert", "server", "benchmark", "regen"]
+REFUSE = """
+import runpy, sys
+sys.argv = ["x", "--max-tokens", "many", "--out", "o", "--mlx-path", "m"]
+try:
+    runpy.run_module("eagle_mlx.{tool}", run_name="__main__")
+except SystemExit as e:
+    print(e.code, "mlx_lm" in sys.modules, "transformers" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("tool", LIGHT_TOOLS)
+def test_a_bad_flag_is_refused_before_mlx_lm_is_imported(tool):
+    """Refusing a flag costs no model library: mlx-lm (and transformers, which it imports)
+    stay unloaded until a tool's flags are good."""
+    out = subprocess.run([sys.executable, "-c", REFUSE.format(tool=tool)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["2", "False", "False"], (out.stdout, out.stderr[-500:])

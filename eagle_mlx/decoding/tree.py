@@ -20,7 +20,6 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..targets.cache import BatchHeadCache
 from ..targets.layers import log_softmax
 from .compiled import compiled
 
@@ -160,11 +159,12 @@ def draft_dynamic(head, target, cache, features: mx.array, tokens: mx.array, roo
         root))
 
 
-def draft_dynamic_batch(head, target, cache: BatchHeadCache, features, tokens, roots,
+def draft_dynamic_batch(head, target, cache, features, tokens, roots,
                         rows, totals, depth: int, top_k: int):
-    """`draft_dynamic` for several rows of a batch in one head pass per level: rows (indices
-    into the batch) draft, with features [m, F], tokens [m], root and tree size (`totals`)
-    each; every other row of `cache` keeps what it holds. Returns the rows' trees."""
+    """`draft_dynamic` for several rows of a batch in one head pass per level, against the
+    batch's head caches (a `targets.cache.BatchHeadCache`): rows (indices into the batch)
+    draft, with features [m, F], tokens [m], root and tree size (`totals`) each; every
+    other row of `cache` keeps what it holds. Returns the rows' trees."""
     embed = target.embed_tokens
     layers = cache.layers
     B = len(layers[0].lengths)

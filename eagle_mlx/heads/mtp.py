@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import mlxlm
 from ..errors import EagleError
+from ..tensorfiles import SAFETENSORS_DTYPES, safetensors_header
 from ..targets.cache import HeadCache
 from ..targets.load import hybrid_overrides, stacked_experts
 from ..targets.families import HYBRID_TYPES, PositionedRoPE, RopeContext, text_config
@@ -37,22 +38,12 @@ _NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_nor
           ".k_norm.weight")
 _TOP_NORMS = ("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
 
-SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
-                      "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-                      "BOOL": np.bool_}
 
 
 def is_mtp_config(config: dict) -> bool:
     """Whether a config is a model's own (one of the families whose checkpoints carry an
     MTP module), not an EAGLE head's."""
     return config.get("model_type") in HYBRID_TYPES and "eagle" not in config
-
-
-def safetensors_header(path: Path):
-    """(header, offset of the first tensor byte) of a safetensors file."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        return json.loads(f.read(n)), 8 + n
 
 
 def safetensors_keys(path: Path) -> List[str]:

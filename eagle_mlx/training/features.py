@@ -26,7 +26,7 @@ from safetensors.numpy import save_file
 
 from ..errors import EagleError
 from ..outputs import atomic_file
-from ..heads.mtp import SAFETENSORS_DTYPES, safetensors_header
+from ..tensorfiles import SAFETENSORS_DTYPES, safetensors_header
 
 FORMAT = "eagle_mlx-features-1"
 INDEX = "index.json"
