@@ -155,7 +155,17 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
     (temperatures, seeds, trees ...), or stream_generate's keyword arguments for all.
     stop: per prompt, strings that end its text (the text is cut before the first)."""
     check(isinstance(prompts, (list, tuple)) and len(prompts) > 0,
-           "prompts must be a non-empty list of prompts.")
+          "prompts must be a non-empty list of prompts.")
+    check(stop is None or (isinstance(stop, (list, tuple)) and all(
+        isinstance(s, (list, tuple)) and all(isinstance(x, str) for x in s) for s in stop)),
+        f"stop must be a list holding one list of stop strings per prompt (got {stop!r}).",
+        "stop")
+    check(settings is None or (isinstance(settings, (list, tuple)) and all(
+        isinstance(s, GenerationSettings) for s in settings)),
+        "settings must be a list holding one eagle_mlx.GenerationSettings per prompt.",
+        "settings")
+    check(isinstance(verbose, bool), f"verbose must be True or False (got {verbose!r}).",
+          "verbose")
     n = len(prompts)
     if settings is None:
         per_max = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * n

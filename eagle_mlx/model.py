@@ -1,6 +1,7 @@
 """`load`: a target, optionally paired with an EAGLE head, ready for `stream_generate`."""
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
@@ -8,7 +9,7 @@ import mlx.core as mx
 from .decoding.lookup import LookupSettings
 from .decoding.tree import TreeSpec
 from .demo import RANKINGS
-from .errors import EagleError
+from .errors import EagleError, check, is_int
 from .heads.draft_vocab import check_size, token_ranking
 from .heads.draft_vocab import draft_vocab as reduced_vocab
 from .heads.read import load_head
@@ -80,6 +81,13 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     Returns (EagleModel, tokenizer); with eagle=None and no lookup decoding is plain.
     """
     convert_to = resolve_dtype(dtype)
+    check(isinstance(lazy, bool), f"lazy must be True or False (got {lazy!r}).", "lazy")
+    check(draft_vocab is None or (is_int(draft_vocab) and draft_vocab >= 0),
+          f"draft_vocab must be a whole number of tokens (0: the whole vocabulary) or None "
+          f"(got {draft_vocab!r}).", "draft_vocab")
+    check(draft_vocab_data is None or isinstance(draft_vocab_data, (str, Path)),
+          "draft_vocab_data must be the path of a ShareGPT-style file, given as a string.",
+          "draft_vocab_data")
     if group is not None and group.size() < 2:
         group = None
     if lookup is True:

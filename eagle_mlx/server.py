@@ -29,6 +29,9 @@ from .errors import EagleError, is_int
 MAX_BODY_BYTES = 1 << 20  # default limit on a request body
 MAX_STOP_STRINGS = 4      # as OpenAI's API
 MAX_BATCH = 64            # --max-batch at most
+LISTEN_BACKLOG = 256      # connections the kernel queues before the server accepts them
+MAX_CONNECTIONS = 256     # open connections served at once; beyond, a 503 (--max-connections)
+CONNECTION_ERRORS = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, TimeoutError)
 SHUTTING_DOWN = "the server is shutting down."
 
 
@@ -357,6 +360,18 @@ class Handler(BaseHTTPRequestHandler):
     def engine(self) -> JobRunner:
         return self.server.engine
 
+    def handle_one_request(self):
+        """One request; a client that resets or drops the connection (idle between requests,
+        or while sending its body) ends it with one log line."""
+        self.command = None  # (set again once a request line arrives)
+        try:
+            super().handle_one_request()
+        except CONNECTION_ERRORS as e:
+            self.close_connection = True
+            when = "while sending its request" if getattr(self, "command", None) else "while idle"
+            self.engine.log(f"client {self.client_address[0]}:{self.client_address[1]} closed "
+                            f"the connection {when} ({type(e).__name__})")
+
     def log_message(self, fmt, *args):  # one line per request, on stderr
         if self.server.verbose:
             super().log_message(fmt, *args)
@@ -390,6 +405,8 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(f"the request body is {length} bytes, more than the server's "
                                f"limit of {self.server.max_body}.", status=413)
         raw = self.rfile.read(int(length))
+        if len(raw) != int(length):  # the client closed its side mid-body
+            raise ConnectionAbortedError(f"{len(raw)} of {length} body bytes arrived")
         try:
             body = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
@@ -569,14 +586,50 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+BUSY = json.dumps({"error": {"message": "the server has too many open connections; try again.",
+                              "type": "server_busy", "param": None, "code": "server_busy"}})
+
+
 class Server(ThreadingHTTPServer):
     daemon_threads = True  # a connection that will not end cannot hold the exit
     allow_reuse_address = True
+    # the standard library's backlog of 5 resets the connections of a burst of clients
+    request_queue_size = LISTEN_BACKLOG
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, max_connections: int = MAX_CONNECTIONS, log=None, **kwargs):
         self.open = {}  # handler thread -> its connection
         self.open_lock = threading.Lock()
+        self.max_connections = max_connections
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        """A connection beyond --max-connections gets a 503 with a JSON error and is closed;
+        the others get a thread."""
+        with self.open_lock:
+            full = len(self.open) >= self.max_connections
+        if not full:
+            return super().process_request(request, client_address)
+        body = BUSY.encode()
+        try:
+            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
+                            b"\r\nConnection: close\r\nRetry-After: 1\r\nContent-Length: "
+                            + str(len(body)).encode() + b"\r\n\r\n" + body)
+        except OSError:
+            pass
+        self.log(f"refused a connection from {client_address[0]}: {self.max_connections} "
+                 "connections are open (HTTP 503)")
+        self.shutdown_request(request)
+
+    def handle_error(self, request, client_address):
+        """One line, never a traceback: a client that left, or what failed."""
+        kind, value = sys.exc_info()[:2]
+        if kind is not None and issubclass(kind, CONNECTION_ERRORS):
+            self.log(f"client {client_address[0]}:{client_address[1]} closed the connection "
+                     f"({kind.__name__})")
+        else:
+            self.log(f"error: a request from {client_address[0]} failed "
+                     f"({getattr(kind, '__name__', kind)}: {value})")
 
     def process_request_thread(self, request, client_address):
         with self.open_lock:
@@ -620,6 +673,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-batch", type=int, default=1,
                    help="requests decoded at once, continuously batched, each its own tree "
                         "(default 1: one at a time, with a prompt cache kept across turns)")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                   help=f"connections served at once; beyond, a JSON 503 (default "
+                        f"{MAX_CONNECTIONS})")
     p.add_argument("--model-id", default=None, help="the id /v1/models reports (default: the path)")
     p.add_argument("--verbose", action="store_true", help="log every request")
     return p
@@ -641,6 +697,8 @@ def _main(argv) -> int:
         raise UsageError(str(e)) from None
     if args.temp > MAX_TEMPERATURE:
         raise UsageError(f"--temp must be in [0, {MAX_TEMPERATURE:g}] (got {args.temp}).")
+    if args.max_connections < 1:
+        raise UsageError(f"--max-connections must be at least 1 (got {args.max_connections}).")
     if not 1 <= args.max_batch <= MAX_BATCH:
         raise UsageError(f"--max-batch must be from 1 to {MAX_BATCH} (got {args.max_batch}).")
     if args.api_key is not None and not args.api_key.strip():
@@ -654,7 +712,7 @@ def _main(argv) -> int:
         return 0
     model_id = args.model_id or args.model or "eagle_mlx-demo"
     try:
-        server = Server((args.host, args.port), Handler)
+        server = Server((args.host, args.port), Handler, max_connections=args.max_connections)
     except OSError as e:
         raise EagleError(f"cannot listen on {args.host}:{args.port} ({e.strerror}).") from None
     server.engine = JobRunner(model, tokenizer, model_id, max_batch=args.max_batch)

@@ -302,6 +302,41 @@ def test_api_refuses_in_one_sentence(api, kwargs, fragment):
     assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+BATCH_CASES = [
+    (dict(stop=5), "stop must be a list holding one list of stop strings per prompt"),
+    (dict(stop=[5]), "stop must be a list holding one list of stop strings per prompt"),
+    (dict(stop=[["a", 3]]), "stop must be a list holding one list of stop strings per prompt"),
+    (dict(settings=5), "settings must be a list holding one eagle_mlx.GenerationSettings"),
+    (dict(settings=[{"temp": 0.5}]), "settings must be a list holding one"),
+    (dict(verbose="yes"), "verbose must be True or False"),
+    (dict(max_batch="2"), "max_batch must be a whole number"),
+    (dict(max_tokens=[4, 4]), "max_tokens has 2 values for 1 prompts"),
+    (dict(max_tokens="many"), "max_tokens must be"),
+]
+
+
+@pytest.mark.parametrize("kwargs,fragment", BATCH_CASES,
+                         ids=[str(i) for i in range(len(BATCH_CASES))])
+def test_batch_api_refuses_in_one_sentence(api, kwargs, fragment):
+    """batch_generate's arguments are checked before anything runs: a wrong type or value is
+    one sentence, never an error from inside."""
+    model, tok = api
+    with pytest.raises(EagleError) as e:
+        eagle_mlx.batch_generate(model, tok, [[5, 6]], **kwargs)
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_batch_generator_add_refuses_in_one_sentence(api):
+    model, tok = api
+    gen = eagle_mlx.BatchGenerator(model, tok, max_batch=2)
+    for kwargs, fragment in ((dict(record=5), "record must be a function"),
+                             (dict(prompt_cache=5), "prompt_cache must be"),
+                             (dict(temp="hot"), "temp must be")):
+        with pytest.raises(EagleError, match=fragment):
+            gen.add([5, 6], **kwargs)
+    assert not gen.busy  # nothing was queued
+
+
 def test_api_load_refuses_non_paths(world):
     _, target, head, _ = world
     with pytest.raises(EagleError, match="given as a string"):
@@ -314,6 +349,12 @@ def test_api_load_refuses_non_paths(world):
         eagle_mlx.load(str(target), lookup="yes")
     with pytest.raises(EagleError, match="lookup max_draft must be a whole number"):
         eagle_mlx.load(str(target), lookup=eagle_mlx.LookupSettings(max_draft=0))
+    for kwargs, fragment in ((dict(lazy="yes"), "lazy must be True or False"),
+                             (dict(draft_vocab="many"), "draft_vocab must be a whole number"),
+                             (dict(draft_vocab=-1), "draft_vocab must be a whole number"),
+                             (dict(draft_vocab_data=3), "draft_vocab_data must be the path")):
+        with pytest.raises(EagleError, match=fragment):
+            eagle_mlx.load(str(target), eagle=str(head), **kwargs)
 
 
 def _run(args, **kw):

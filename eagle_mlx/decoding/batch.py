@@ -208,6 +208,8 @@ class BatchGenerator:
         every position it feeds (prefill chunks, then each cycle's kept nodes)."""
         check(prompt_cache is None or isinstance(prompt_cache, PromptCache),
               "prompt_cache must be an eagle_mlx.PromptCache.")
+        check(record is None or callable(record),
+              "record must be a function of (position, hidden, tapped), or None.")
         if settings is None:
             settings = GenerationSettings(**kwargs)
         else:
