@@ -363,14 +363,21 @@ class Handler(BaseHTTPRequestHandler):
     def handle_one_request(self):
         """One request; a client that resets or drops the connection (idle between requests,
         or while sending its body) ends it with one log line."""
-        self.command = None  # (set again once a request line arrives)
+        # (a request line, then its answer begun, then written)
+        self.command, self.answering, self.answered = None, False, False
         try:
             super().handle_one_request()
         except CONNECTION_ERRORS as e:
             self.close_connection = True
-            when = "while sending its request" if getattr(self, "command", None) else "while idle"
+            when = ("after its answer" if self.answered else
+                    "while it was answered" if self.answering else
+                    "while sending its request" if self.command else "while idle")
             self.engine.log(f"client {self.client_address[0]}:{self.client_address[1]} closed "
                             f"the connection {when} ({type(e).__name__})")
+
+    def send_response(self, code, message=None):
+        self.answering = True
+        super().send_response(code, message)
 
     def log_message(self, fmt, *args):  # one line per request, on stderr
         if self.server.verbose:
@@ -383,6 +390,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+        self.answered = True
 
     def _error(self, e: RequestError) -> None:
         self.engine.log(f"refused {self.command} {self.path}: {e} (HTTP {e.status})")
@@ -584,6 +592,7 @@ class Handler(BaseHTTPRequestHandler):
                     send([], usage=usage)
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
+        self.answered = True
 
 
 BUSY = json.dumps({"error": {"message": "the server has too many open connections; try again.",
