@@ -68,6 +68,14 @@ def start_mlx_lm(folder):
     raise SystemExit("mlx_lm.server did not start in 300 s")
 
 
+def sse_chunks(response):
+    """The JSON chunks of a server-sent event stream (until `data: [DONE]`)."""
+    for raw in response:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 def one(port, text, max_tokens, tokenizer=None):
     body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                        "temperature": 0.0, "stream": True,
@@ -78,11 +86,7 @@ def one(port, text, max_tokens, tokenizer=None):
     first = usage = None
     text = ""
     with urllib.request.urlopen(req, timeout=1800) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in sse_chunks(r):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):

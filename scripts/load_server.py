@@ -53,11 +53,7 @@ def request(port, body: bytes, stream: bool, leave: bool, timeout: float):
             n = (data.get("usage") or {}).get("completion_tokens", 0)
             return "answered", 200, time.perf_counter() - start, n
         first, n = None, 0
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in bench_server.sse_chunks(r):
             if chunk.get("usage"):
                 n = chunk["usage"]["completion_tokens"]
             if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
