@@ -15,6 +15,7 @@ import mlx.core as mx
 from . import mlxlm
 from .decoding.batch import DEFAULT_MAX_BATCH, BatchGenerator
 from .decoding.engine import generation_stream
+from .decoding.logprobs import TokenLogprob
 from .decoding.plan import prepare
 from .decoding.responses import GenerationResponse, StopFilter, responses
 from .decoding.settings import GenerationSettings
@@ -41,6 +42,7 @@ def stream_generate(
     min_p: float = 0.0,
     prompt_cache: Optional[PromptCache] = None,
     settings: Optional[GenerationSettings] = None,
+    logprobs: Optional[int] = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per target forward pass.
 
@@ -54,12 +56,16 @@ def stream_generate(
     `total_tokens` nodes (incl. the root), `depth` levels, `draft_top_k` children.
     prompt_cache: a `PromptCache` kept across calls; a prompt extending what it holds
     (the next turn of a conversation) is prefilled only from where it differs.
+    logprobs: None, or report every token's log-probability (`GenerationResponse.logprobs`)
+    with that many top alternatives (0-20): under the target's distribution in greedy
+    decoding, under the one drawn from (after the filters and temperature) when sampling.
     settings: a `GenerationSettings` holding all of the above at once (given, it is used
     instead of the keyword arguments).
     """
     if settings is None:
         settings = GenerationSettings(max_tokens, temp, top_p, top_k, min_p, seed, total_tokens,
-                                      depth, draft_top_k, tree_choices, max_context, speculate)
+                                      depth, draft_top_k, tree_choices, max_context, speculate,
+                                      logprobs)
     group = getattr(model, "group", None)
     if group is not None and isinstance(settings, GenerationSettings) and \
             settings.check().seed is None and settings.temp > 0:
@@ -68,10 +74,11 @@ def stream_generate(
     target, ids = model.target, run.ids
     if run.drafter is None:
         steps = plain_steps(target, ids, run.sampling, run.max_context, prompt_cache=prompt_cache,
-                            keys=run.keys)
+                            keys=run.keys, logprobs=run.logprobs)
     else:
         steps = speculative_steps(target, run.drafter, ids, run.sampling, run.max_context,
-                                  prompt_cache=prompt_cache, keys=run.keys)
+                                  prompt_cache=prompt_cache, keys=run.keys,
+                                  logprobs=run.logprobs)
     max_tokens = settings.max_tokens
     with mlxlm.wired_limit(target.model, [generation_stream]):
         try:
@@ -132,6 +139,8 @@ class BatchResult:
     mean_accept_length: float
     target_forwards: int
     accept_lengths: List[int] = field(default_factory=list, repr=False)
+    # where asked for (settings' logprobs): one per token of `tokens`
+    logprobs: Optional[List[TokenLogprob]] = field(default=None, repr=False)
 
 
 @dataclass
@@ -183,6 +192,7 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
     order = {u: i for i, u in enumerate(uids)}
     filters = [StopFilter(s) for s in stop]
     texts, tokens = [""] * n, [[] for _ in range(n)]
+    scores = [None if s.logprobs is None else [] for s in settings]
     last = [None] * n
     start = time.perf_counter()
     mx.reset_peak_memory()
@@ -191,6 +201,8 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
             for uid, r in gen.step():
                 i = order[uid]
                 tokens[i] += r.tokens
+                if r.logprobs is not None:
+                    scores[i] += r.logprobs
                 emit, finish = filters[i].feed(r.text, r.finish_reason)
                 texts[i] += emit
                 last[i] = (r, finish)
@@ -204,7 +216,7 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
         r, finish = last[i]
         results.append(BatchResult(texts[i], tokens[i], finish, r.prompt_tokens,
                                    r.generation_tokens, r.mean_accept_length, r.target_forwards,
-                                   r.accept_lengths))
+                                   r.accept_lengths, scores[i]))
     produced = sum(r.generation_tokens for r in results)
     stats = {"prompt_tokens": sum(r.prompt_tokens for r in results), "generation_tokens": produced,
              "seconds": elapsed, "generation_tps": produced / max(elapsed, 1e-9),

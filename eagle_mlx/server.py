@@ -82,6 +82,27 @@ def request_settings(body: dict, defaults, max_tokens_key: str):
     return settings
 
 
+def _logprobs(body: dict, chat: bool) -> Optional[int]:
+    """The alternatives a request asks for with each token's log-probability (None: no
+    log-probabilities). Chat: `logprobs` true and `top_logprobs`; completions: `logprobs`,
+    the number of alternatives."""
+    from .decoding.settings import MAX_TOP_LOGPROBS
+
+    asked = body.get("logprobs")
+    if not chat:
+        if asked is not None and not (is_int(asked) and 0 <= asked <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"'logprobs' must be null or the number of top alternatives to "
+                               f"return with each token, from 0 to {MAX_TOP_LOGPROBS} (got "
+                               f"{asked!r}).", param="logprobs")
+        return asked
+    if asked is not None and not isinstance(asked, bool):
+        raise RequestError(f"'logprobs' must be true or false (got {asked!r}).", param="logprobs")
+    top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not asked:
+        raise RequestError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    return (top or 0) if asked else None
+
+
 def _text_content(content, where: str) -> str:
     """A message's content: a string, or a list of text parts."""
     if isinstance(content, str):
@@ -94,12 +115,27 @@ def _text_content(content, where: str) -> str:
 
 
 class Job:
-    """One request on its way through the job runner: settings in, events out."""
+    """One request on its way through the job runner: settings in, events out. The events
+    are ("text", str, scores) ... ("done", finish, usage) | ("error", message); scores: the
+    log-probabilities of the tokens that made the text (where the request asked for them)."""
 
     def __init__(self, ids: List[int], settings, stop: List[str]):
+        from .decoding.responses import ScoreRelease, StopFilter
+
         self.ids, self.settings, self.stop = ids, settings, stop
-        self.events = queue.Queue()  # ("text", str) ... ("done", finish, usage) | ("error", msg)
+        self.events = queue.Queue()
         self.cancelled = threading.Event()
+        self.stops = StopFilter(stop)
+        self.scores = None if settings.logprobs is None else ScoreRelease()
+
+    def feed(self, r) -> Optional[str]:
+        """A GenerationResponse's text (and scores) through the stop strings to the events;
+        returns the finish reason (a stop string finishes it too)."""
+        emit, finish = self.stops.feed(r.text, r.finish_reason)
+        scores = [] if self.scores is None else self.scores.feed(r.logprobs, emit, finish)
+        if emit or scores:
+            self.events.put(("text", emit, scores))
+        return finish
 
 
 class PromptCachePool:
@@ -169,7 +205,7 @@ class JobRunner:
                 self.stopping = True
                 if self.current is not None:
                     self.current.cancelled.set()
-                for job, _ in list(self.running.values()):
+                for job in list(self.running.values()):
                     job.cancelled.set()
                 self.jobs.put(None)
 
@@ -215,14 +251,13 @@ class JobRunner:
                 self.current = None
 
     def _run(self, job: Job):
-        from .decoding.responses import StopFilter
         from .distributed import (CANCELLED, CONTINUE, FINISHED, share_response_signal,
                                   share_text)
         from .generation import stream_generate
 
         group = self.model.group
         share_text(group, json.dumps({"ids": job.ids, "settings": job.settings.asdict()}))
-        stops, finish, last = StopFilter(job.stop), None, None
+        finish, last = None, None
         for r in stream_generate(self.model, self.tokenizer, job.ids, prompt_cache=self.cache,
                                  settings=job.settings):
             last = r
@@ -230,9 +265,7 @@ class JobRunner:
                 share_response_signal(group, CANCELLED)  # the other ranks stop with it
                 finish = "cancelled"
                 break
-            emit, finish = stops.feed(r.text, r.finish_reason)
-            if emit:
-                job.events.put(("text", emit))
+            finish = job.feed(r)
             if share_response_signal(group, FINISHED if finish else CONTINUE) != CONTINUE:
                 break
         self._done(job, finish, last, self.cache.reused)
@@ -268,7 +301,7 @@ class JobRunner:
                     return self._end_batched(job)
                 self._admit(gen, job)
                 job = self._queued()
-            for uid, (j, _) in list(self.running.items()):
+            for uid, j in list(self.running.items()):
                 if j.cancelled.is_set():  # the client left
                     gen.cancel(uid)
                     self._leave(uid, "cancelled", self.last.pop(uid, None))
@@ -276,7 +309,7 @@ class JobRunner:
                 out = gen.step()
             except Exception as e:  # the batch fails, the server does not
                 self.log(f"error: batched generation failed ({type(e).__name__}: {e})")
-                for j, _ in self.running.values():
+                for j in self.running.values():
                     j.events.put(("error", "generation failed inside the server."))
                 self.running.clear()
                 self.last.clear()
@@ -286,8 +319,6 @@ class JobRunner:
 
     def _admit(self, gen, job: Job) -> None:
         """A queued job joins the batch with the pooled cache that fits it best."""
-        from .decoding.responses import StopFilter
-
         if job.cancelled.is_set():
             job.events.put(("error", SHUTTING_DOWN))
             return
@@ -298,32 +329,29 @@ class JobRunner:
             self.pool.put(pc)  # (a refused request leaves the cache as it was)
             job.events.put(("error", str(e)))
             return
-        self.running[uid], self.caches[uid] = (job, StopFilter(job.stop)), pc
+        self.running[uid], self.caches[uid] = job, pc
 
     def _deliver(self, gen, out) -> None:
         """A step's responses to their requests' events; finished requests leave."""
         for uid, r in out:
             if uid not in self.running:
                 continue
-            j, stops = self.running[uid]
             self.last[uid] = r
-            emit, finish = stops.feed(r.text, r.finish_reason)
-            if emit:
-                j.events.put(("text", emit))
+            finish = self.running[uid].feed(r)
             if finish is not None:
                 if r.finish_reason is None:  # a stop string: it leaves the batch
                     gen.cancel(uid)
                 self._leave(uid, finish, self.last.pop(uid))
 
     def _leave(self, uid, finish, last) -> None:
-        job, _ = self.running.pop(uid)
+        job = self.running.pop(uid)
         self._done(job, finish, last, self.pool.put(self.caches.pop(uid)))
 
     def _end_batched(self, job) -> None:
         """`stop`: the job that asked for it (if any) refused, the running ones cancelled."""
         if job is not None:
             job.events.put(("error", SHUTTING_DOWN))
-        for uid, (j, _) in list(self.running.items()):
+        for uid, j in list(self.running.items()):
             self._done(j, "cancelled", self.last.get(uid), 0)
         self.running.clear()
 
@@ -520,6 +548,7 @@ class Handler(BaseHTTPRequestHandler):
                 all(isinstance(s, str) and s for s in stop)):
             raise RequestError(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} "
                                "non-empty strings.", param="stop")
+        settings = settings.replace(logprobs=_logprobs(body, chat))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise RequestError("'stream' must be true or false.", param="stream")
@@ -536,19 +565,46 @@ class Handler(BaseHTTPRequestHandler):
             if event[0] in ("done", "error"):
                 return
 
+    def _token_text(self, token: int) -> str:
+        """A token as text, decoded alone (kept: the same tokens come back often)."""
+        texts = self.server.token_texts
+        if token not in texts:
+            texts[token] = self.engine.tokenizer.decode([token])
+        return texts[token]
+
+    def _logprobs(self, job: Job, scores, chat: bool):
+        """OpenAI's `logprobs` object for these tokens' entries, (offset in the text, entry)
+        (None where the request did not ask): chat's `content` list, or the completions
+        API's parallel lists, with each token's offset in the completion text."""
+        if job.scores is None:
+            return None
+        if chat:
+            def entry(token, lp):
+                text = self._token_text(token)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+            return {"content": [dict(entry(s.token, s.logprob), top_logprobs=[
+                entry(t, v) for t, v in s.top]) for _, s in scores], "refusal": None}
+        return {"tokens": [self._token_text(s.token) for _, s in scores],
+                "token_logprobs": [s.logprob for _, s in scores],
+                "top_logprobs": [{self._token_text(t): v for t, v in s.top} for _, s in scores],
+                "text_offset": [offset for offset, _ in scores]}
+
     def _complete(self, job: Job, rid: str, chat: bool):
-        text = []
+        text, scores = [], []
         for event in self._events(job):
             if event[0] == "text":
                 text.append(event[1])
+                scores += event[2]
             elif event[0] == "error":
                 return self._error(RequestError(event[1]))
             else:
                 _, finish, usage = event
         content = "".join(text)
+        logprobs = self._logprobs(job, scores, chat)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content},
-                   "finish_reason": finish, "logprobs": None} if chat else
-                  {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+                   "finish_reason": finish, "logprobs": logprobs} if chat else
+                  {"index": 0, "text": content, "finish_reason": finish, "logprobs": logprobs})
         self._send_json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
                               "created": int(time.time()), "model": self.engine.model_id,
                               "choices": [choice], "usage": usage})
@@ -569,19 +625,20 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
             self.wfile.flush()
 
-        def choice(content=None, finish=None, role=False):
+        def choice(content=None, finish=None, role=False, logprobs=None):
             if chat:
                 delta = {"role": "assistant"} if role else {}
                 if content is not None:
                     delta["content"] = content
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": content or "", "finish_reason": finish, "logprobs": None}
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+            return {"index": 0, "text": content or "", "finish_reason": finish,
+                    "logprobs": logprobs}
 
         if chat:
             send([choice(content="", role=True)])
         for event in self._events(job):
             if event[0] == "text":
-                send([choice(content=event[1])])
+                send([choice(content=event[1], logprobs=self._logprobs(job, event[2], chat))])
             elif event[0] == "error":
                 self.wfile.write(f"data: {json.dumps({'error': {'message': event[1]}})}\n\n".encode())
                 break
@@ -609,6 +666,7 @@ class Server(ThreadingHTTPServer):
         self.open = {}  # handler thread -> its connection
         self.open_lock = threading.Lock()
         self.max_connections = max_connections
+        self.token_texts = {}  # token id -> its text decoded alone (for logprobs)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         super().__init__(*args, **kwargs)
 

@@ -299,6 +299,9 @@ API_CASES = [
     (dict(tree_choices="[[0]]"), "tree_choices must be"),
     (dict(speculate="yes"), "speculate must be"),
     (dict(prompt_cache={}), "prompt_cache must be"),
+    (dict(logprobs=21), "logprobs must be None (off) or the number of top alternatives"),
+    (dict(logprobs="5"), "logprobs must be None (off)"),
+    (dict(settings=eagle_mlx.GenerationSettings(logprobs=-1)), "logprobs must be None (off)"),
 ]
 
 
@@ -323,6 +326,7 @@ BATCH_CASES = [
     (dict(max_batch="2"), "max_batch must be a whole number"),
     (dict(max_tokens=[4, 4]), "max_tokens has 2 values for 1 prompts"),
     (dict(max_tokens="many"), "max_tokens must be"),
+    (dict(logprobs=True), "logprobs must be None (off)"),
 ]
 
 

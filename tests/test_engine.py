@@ -12,7 +12,8 @@ from eagle_mlx import EagleError
 from eagle_mlx.decoding import engine
 from eagle_mlx.decoding.steps import SamplingParams, eagle_steps
 from eagle_mlx.decoding.tree import MC_SIM_7B_63, StaticTree, Tree, retrieve_indices
-from tiny import ORACLE, make_eagle_head, make_hf_model, oracle_reference, requires_oracle
+from tiny import (ORACLE, make_eagle_head, make_hf_model, numpy_sampling_distribution,
+                  oracle_reference, requires_oracle)
 
 
 def _oracle_cases():
@@ -487,26 +488,6 @@ def test_streamed_text_is_the_decoded_output(pair):
     assert eagle_mlx.generate(model, tok, "t5 t9 t11", max_tokens=30) == tok.decode(tokens)
 
 
-def _numpy_sampling_distribution(logits, temp, top_p, min_p, top_k):
-    """mlx-lm's make_sampler order, written independently: top-p, min-p and top-k filter
-    the untempered distribution, then the temperature scales what is left."""
-    lp = logits.astype(np.float64)
-    lp = lp - np.log(np.exp(lp - lp.max()).sum()) - lp.max()
-    keep = np.ones(lp.shape, dtype=bool)
-    if 0 < top_p < 1:  # a token stays while the tokens more likely than it hold < top_p
-        order = np.argsort(-lp)
-        mass_before = np.concatenate([[0.0], np.cumsum(np.exp(lp[order]))[:-1]])
-        keep[order[mass_before >= top_p]] = False
-    if min_p > 0:
-        keep &= lp >= lp.max() + np.log(min_p)
-    if 0 < top_k < len(lp):
-        ranked = np.argsort(-np.where(keep, lp, -np.inf))
-        keep[ranked[top_k:]] = False
-    z = np.where(keep, lp / temp, -np.inf)
-    p = np.exp(z - z[keep].max())
-    return p / p.sum()
-
-
 @pytest.mark.parametrize("temp,top_p,min_p,top_k", [
     (1.0, 1.0, 0.0, 0), (0.7, 0.9, 0.0, 0), (1.3, 1.0, 0.05, 0), (0.5, 1.0, 0.0, 7),
     (2.0, 0.8, 0.02, 12), (0.9, 0.95, 0.1, 5),
@@ -518,7 +499,7 @@ def test_sampling_follows_mlx_lm_order(temp, top_p, min_p, top_k):
     logits = rng.normal(0, 2.0, 50).astype(np.float32)
     sampling = SamplingParams(temp, top_p, top_k, min_p)
     ours = np.exp(np.array(sampling.logprobs(mx.array(logits))))
-    np.testing.assert_allclose(ours, _numpy_sampling_distribution(logits, temp, top_p, min_p, top_k),
+    np.testing.assert_allclose(ours, numpy_sampling_distribution(logits, temp, top_p, min_p, top_k),
                                atol=1e-6)
     # with the same random state, plain decoding draws exactly what mlx-lm's sampler draws
     sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)

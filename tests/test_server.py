@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import eagle_mlx
@@ -216,6 +217,64 @@ def test_second_turn_reuses_the_cache(server, local):
     assert r2.choices[0].message.content == greedy(local, second, 12)[0]
 
 
+def test_logprobs_chat_and_completions_streamed_and_not(server, local, tiny_pair):
+    """OpenAI's logprobs shapes, each token's value mlx-lm's for the same tokens (greedy, with
+    the server's speculation); streamed chunks carry the same entries as the whole answer."""
+    from test_logprobs import mlx_lm_logprobs
+
+    model, tok = local
+    target = tiny_pair[0]
+    messages = [{"role": "user", "content": "t7 t9 t13"}]
+    ids = chat_prompt(tok, messages)
+    tokens = [t for r in eagle_mlx.stream_generate(model, tok, ids, max_tokens=12)
+              for t in r.tokens]
+    ref = mlx_lm_logprobs(target, ids, tokens)
+    decode = lambda t: tok.decode([t])  # noqa: E731
+
+    def check_chat(content):
+        assert [c["token"] for c in content] == [decode(t) for t in tokens]
+        for c, t, row in zip(content, tokens, ref):
+            assert abs(c["logprob"] - row[t]) < 1e-4 and c["bytes"] == list(c["token"].encode())
+            best = np.argsort(-row)[:3]
+            assert [a["token"] for a in c["top_logprobs"]] == [decode(b) for b in best]
+            np.testing.assert_allclose([a["logprob"] for a in c["top_logprobs"]], row[best],
+                                       atol=1e-4)
+
+    body = {"messages": messages, "max_tokens": 12, "logprobs": True, "top_logprobs": 3}
+    status, data = server.raw("POST", "/v1/chat/completions", body)
+    assert status == 200, data
+    whole = json.loads(data)["choices"][0]["logprobs"]["content"]
+    check_chat(whole)
+    status, data = server.raw("POST", "/v1/chat/completions", dict(body, stream=True))
+    chunks = [json.loads(line[6:]) for line in data.decode().splitlines()
+              if line.startswith("data: {")]
+    check_chat([c for ch in chunks for c in (ch["choices"][0]["logprobs"] or {}).get("content", [])])
+    # completions: parallel lists, each token's offset in the text
+    prompt_ids = tok.encode("t7 t9 t13")
+    tokens = [t for r in eagle_mlx.stream_generate(model, tok, "t7 t9 t13", max_tokens=10)
+              for t in r.tokens]
+    ref = mlx_lm_logprobs(target, prompt_ids, tokens)
+    for stream in (False, True):
+        status, data = server.raw("POST", "/v1/completions", {
+            "prompt": "t7 t9 t13", "max_tokens": 10, "logprobs": 2, "stream": stream})
+        assert status == 200, data
+        parts = [json.loads(line[6:])["choices"][0] for line in data.decode().splitlines()
+                 if line.startswith("data: {")] if stream else [json.loads(data)["choices"][0]]
+        text = "".join(p["text"] for p in parts)
+        lp = {k: [v for p in parts if p["logprobs"] for v in p["logprobs"][k]]
+              for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        assert lp["tokens"] == [decode(t) for t in tokens]
+        np.testing.assert_allclose(lp["token_logprobs"], ref[np.arange(len(tokens)), tokens],
+                                   atol=1e-4)
+        assert [len(d) for d in lp["top_logprobs"]] == [2] * len(tokens)
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        assert all(text[o:].lstrip().startswith(t.strip()) for o, t in
+                   zip(lp["text_offset"], lp["tokens"]))
+    # not asked: null
+    status, data = server.raw("POST", "/v1/completions", {"prompt": "t7", "max_tokens": 2})
+    assert json.loads(data)["choices"][0]["logprobs"] is None
+
+
 BAD = [
     ("POST", "/v1/chat/completions", b"{not json", {}, 400),
     ("POST", "/v1/chat/completions", b"\xff\xfe{}", {}, 400),
@@ -247,6 +306,15 @@ BAD = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": " ".join(
         ["t5"] * 5000)}]}, {}, 413),
     ("POST", "/v1/completions", {"prompt": ""}, {}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": "yes"}, {}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, {}, 400),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": True}, {}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                      "logprobs": "yes"}, {}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                      "logprobs": True, "top_logprobs": 21}, {}, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                      "top_logprobs": 2}, {}, 400),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
      {"key": "wrong"}, 401),
     ("GET", "/v1/models", None, {"key": None}, 401),

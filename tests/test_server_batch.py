@@ -141,3 +141,31 @@ def test_next_turns_reuse_their_conversation_cache(batched, local_lookup):
         assert r.choices[0].message.content == want
         model, tok = local_lookup
         assert r.usage.prompt_tokens_details.cached_tokens >= len(chat_prompt(tok, m))
+
+
+def test_concurrent_logprobs_each_equal_mlx_lm(batched, local_lookup, tiny_pair):  # noqa: F811
+    """Rows decoding side by side report each token's log-probability as mlx-lm computes it
+    for the same tokens."""
+    import numpy as np
+
+    from test_logprobs import mlx_lm_logprobs
+
+    model, tok = local_lookup
+    reqs = [dict(messages=[{"role": "user", "content": f"t{9 + i} t{30 - i}"}], max_tokens=14,
+                 logprobs=True, top_logprobs=2) for i in range(4)]
+    got = [None] * 4
+
+    def call(i):
+        got[i] = batched.client().chat.completions.create(model=server_model(batched), **reqs[i])
+
+    in_threads(call, [(i,) for i in range(4)])
+    for req, r in zip(reqs, got):
+        ids = chat_prompt(tok, req["messages"])
+        tokens = [t for x in eagle_mlx.stream_generate(model, tok, ids, max_tokens=14)
+                  for t in x.tokens]
+        ref = mlx_lm_logprobs(tiny_pair[0], ids, tokens)
+        content = r.choices[0].logprobs.content
+        assert [c.token for c in content] == [tok.decode([t]) for t in tokens]
+        np.testing.assert_allclose([c.logprob for c in content],
+                                   ref[np.arange(len(tokens)), tokens], atol=1e-4)
+        assert all(len(c.top_logprobs) == 2 for c in content)

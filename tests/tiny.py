@@ -224,3 +224,25 @@ def make_eagle_head(folder: Path, target_folder: Path, kind: str = "eagle1", see
     torch.save(sd, folder / "pytorch_model.bin")
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder
+
+
+def numpy_sampling_distribution(logits, temp, top_p, min_p, top_k):
+    """mlx-lm's make_sampler order, written independently: top-p, min-p and top-k filter
+    the untempered distribution, then the temperature scales what is left."""
+    import numpy as np
+
+    lp = logits.astype(np.float64)
+    lp = lp - np.log(np.exp(lp - lp.max()).sum()) - lp.max()
+    keep = np.ones(lp.shape, dtype=bool)
+    if 0 < top_p < 1:  # a token stays while the tokens more likely than it hold < top_p
+        order = np.argsort(-lp)
+        mass_before = np.concatenate([[0.0], np.cumsum(np.exp(lp[order]))[:-1]])
+        keep[order[mass_before >= top_p]] = False
+    if min_p > 0:
+        keep &= lp >= lp.max() + np.log(min_p)
+    if 0 < top_k < len(lp):
+        ranked = np.argsort(-np.where(keep, lp, -np.inf))
+        keep[ranked[top_k:]] = False
+    z = np.where(keep, lp / temp, -np.inf)
+    p = np.exp(z - z[keep].max())
+    return p / p.sum()

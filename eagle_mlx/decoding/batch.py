@@ -243,7 +243,7 @@ class BatchGenerator:
         run = prepare(self.model, self.tokenizer, seq.ids, seq.settings, batch=batch)
         seq.plain = run.drafter is None
         drafter = RootDrafter() if seq.plain else run.drafter
-        seq.engine = Engine(self.target, drafter, run.sampling, run.max_context)
+        seq.engine = Engine(self.target, drafter, run.sampling, run.max_context, run.logprobs)
         seq.engine.taps = self.taps if drafter.features is not None or seq.record else ()
         seq.engine.recorder = seq.record
         pc, seq.start = seq.prompt_cache, 0
@@ -271,7 +271,7 @@ class BatchGenerator:
         except StopIteration:
             pass
         self.joining = None
-        seq.steps.append(Step([seq.state.history[-1]], None))
+        seq.steps.append(Step([seq.state.history[-1]], None, logprobs=seq.engine.root_logprobs))
         self.rows.join(seq)
         return seq
 

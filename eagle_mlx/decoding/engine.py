@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .accept import KeyChain, accept_greedy, accept_sampling, process_logits
+from .logprobs import TokenLogprob, score
 from .tree import Tree
 
 
@@ -32,6 +33,8 @@ class Step:
     tree: Optional[dict] = None   # when traced: the verified tree (tokens, parents, depth)
     drafted: Optional[Tree] = field(default=None, repr=False)  # the verified tree itself
     tree_tokens: Optional[List[int]] = field(default=None, repr=False)  # its tokens, synced
+    # when asked for: each token's log-probability and top alternatives (`logprobs.py`)
+    logprobs: Optional[List[TokenLogprob]] = field(default=None, repr=False)
 
 
 @dataclass
@@ -87,9 +90,13 @@ class Verified:
 
 
 class Engine:
-    def __init__(self, target, drafter, sampling: SamplingParams, max_context: int):
+    def __init__(self, target, drafter, sampling: SamplingParams, max_context: int,
+                 logprobs: Optional[int] = None):
+        """logprobs: report every token's log-probability with that many top alternatives
+        (None: not)."""
         self.target, self.drafter, self.sampling = target, drafter, sampling
-        self.max_context = max_context
+        self.max_context, self.logprobs = max_context, logprobs
+        self.root_logprobs = None  # the prefill's token's, where asked for
         self.taps = tuple(drafter.features or ())
         # recorder(position, hidden [n, H], tapped [n, H] per tap): the target's features of
         # every position it keeps, as fed (training data written while generating)
@@ -136,7 +143,8 @@ class Engine:
                     mx.eval(hidden, chunks, target.cache_arrays(state.caches))
                     mx.clear_cache()
                     yield
-            root = self.sampling.pick(target.lm_head(hidden[0, -1]), state.key())
+            logits = target.lm_head(hidden[0, -1])
+            root = self.sampling.pick(logits, state.key())
             state.feats = (mx.concatenate(chunks) if len(chunks) > 1 else chunks[0]) \
                 if chunks else None   # [n - drafter offset, F]
             seen = self.drafter.offset(state.drafter)
@@ -145,6 +153,14 @@ class Engine:
         state.n, state.root = len(prompt), root
         root_token = root.item()  # SYNC: the first token is output now
         state.history = list(prompt) + [root_token]
+        self.root_logprobs = self.scores(logits[None], [root_token])
+
+    def scores(self, logits: mx.array, tokens: List[int]) -> Optional[List[TokenLogprob]]:
+        """Each token's log-probability and alternatives, where asked for (logits [n, V]:
+        row j is the target's logits before tokens[j])."""
+        if self.logprobs is None:
+            return None
+        return score(self.sampling, logits, tokens, self.logprobs)
 
     # ---------------------------------------------------------------- the cycle
     def cycle(self, state: State) -> Step:
@@ -211,14 +227,17 @@ class Engine:
         state.tokens = mx.array(out, dtype=mx.int32)
         state.root = mx.array(root_token)
         state.history += out
-        return Step(out, len(path) - 1, drafted=tree, tree_tokens=tokens)
+        # token j of `out` was drawn from the logits of node path[j] (its parent)
+        return Step(out, len(path) - 1, drafted=tree, tree_tokens=tokens,
+                    logprobs=self.scores(verified.logits[path_idx], out))
 
     def plain_step(self, state: State) -> Step:
         """One token without a tree (near the end of the context, where none fits)."""
         with mx.stream(generation_stream):
             hidden, _ = self.target(state.root.reshape(1, 1), state.caches)
             state.n += 1
-            state.root = self.sampling.pick(self.target.lm_head(hidden[0, -1]), state.key())
+            logits = self.target.lm_head(hidden[0, -1])
+            state.root = self.sampling.pick(logits, state.key())
         token = state.root.item()  # SYNC: one token per step here
         state.history.append(token)
-        return Step([token], 0)
+        return Step([token], 0, logprobs=self.scores(logits[None], [token]))

@@ -90,13 +90,15 @@ def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]]) -> List[int]:
 @dataclass
 class Prepared:
     """What one generation runs, checked: the prompt's ids, the drafter (None: plain
-    decoding), the sampling settings, the context and the random keys of its draws."""
+    decoding), the sampling settings, the context, the random keys of its draws and the
+    alternatives to report with each token's log-probability (None: none reported)."""
 
     ids: List[int]
     drafter: object
     sampling: SamplingParams
     max_context: int
     keys: KeyChain
+    logprobs: Optional[int] = None
 
 
 def prepare(model, tokenizer, prompt, settings: GenerationSettings,
@@ -145,4 +147,4 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
         if lookup is not None:
             drafter = MergedDrafter(drafter, LookupDrafter(lookup), total_tokens)
     return Prepared(ids, drafter, SamplingParams(temp, s.top_p, s.top_k, s.min_p), max_context,
-                    KeyChain.start(seed))
+                    KeyChain.start(seed), s.logprobs)

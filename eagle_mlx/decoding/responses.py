@@ -7,6 +7,8 @@ from typing import Iterator, List, Optional
 
 import mlx.core as mx
 
+from .logprobs import TokenLogprob
+
 
 @dataclass
 class GenerationResponse:
@@ -24,6 +26,8 @@ class GenerationResponse:
     target_forwards: int
     peak_memory: float  # GB
     accept_lengths: List[int] = field(default_factory=list, repr=False)
+    # where asked for: one per token of `tokens`, each with the text it completed
+    logprobs: Optional[List[TokenLogprob]] = field(default=None, repr=False)
 
 
 def responses(tokenizer, ids, steps, max_tokens,
@@ -37,11 +41,11 @@ def responses(tokenizer, ids, steps, max_tokens,
     prompt_time = gen_start = None
     produced, forwards, accept_lengths = 0, 0, []
 
-    def response(tokens, accept_length, finish):
+    def response(text, tokens, accept_length, finish, scores=None):
         now = time.perf_counter()
         gen_time = now - gen_start
         return GenerationResponse(
-            text=detok.last_segment, tokens=tokens, accept_length=accept_length,
+            text=text, tokens=tokens, accept_length=accept_length,
             finish_reason=finish, prompt_tokens=len(ids),
             prompt_tps=len(ids) / max(prompt_time, 1e-9),
             generation_tokens=produced,
@@ -50,7 +54,7 @@ def responses(tokenizer, ids, steps, max_tokens,
             mean_accept_length=(sum(a + 1 for a in accept_lengths) / len(accept_lengths)
                                 if accept_lengths else 0.0),
             target_forwards=forwards, peak_memory=mx.get_peak_memory() / 1e9,
-            accept_lengths=list(accept_lengths),
+            accept_lengths=list(accept_lengths), logprobs=scores,
         )
 
     for step in steps:
@@ -58,7 +62,8 @@ def responses(tokenizer, ids, steps, max_tokens,
         if prompt_time is None:
             gen_start = time.perf_counter()
             prompt_time = gen_start - start
-        tokens, finish = [], None
+        tokens, finish, text = [], None, ""
+        scores = step.logprobs
         for t in step.tokens:
             tokens.append(t)
             produced += 1
@@ -66,6 +71,9 @@ def responses(tokenizer, ids, steps, max_tokens,
                 finish = "stop"
                 break
             detok.add_token(t)
+            if scores is not None:  # the text each token completes, read token by token
+                piece = scores[len(tokens) - 1].text = detok.last_segment
+                text += piece
             if produced >= max_tokens:
                 finish = "length"
                 break
@@ -73,12 +81,19 @@ def responses(tokenizer, ids, steps, max_tokens,
             accept_lengths.append(min(step.accept_length, len(tokens) - 1))
         if finish is not None:
             detok.finalize()
-        yield response(tokens, step.accept_length, finish)
+        rest = detok.last_segment  # (with scores: what finalize let out, the last token's)
+        text += rest
+        if scores is not None:
+            scores = scores[: len(tokens)]
+            own = [i for i, t in enumerate(tokens) if t not in stop_ids]
+            if rest and own:
+                scores[own[-1]].text += rest
+        yield response(text, tokens, step.accept_length, finish, scores)
         if finish is not None:
             return
     # the context is full
     detok.finalize()
-    yield response([], None, "length")
+    yield response(detok.last_segment, [], None, "length")
 
 
 class StopFilter:
@@ -114,3 +129,33 @@ def _partial_stop(text: str, stops: List[str]) -> int:
                 best = n
                 break
     return best
+
+
+class ScoreRelease:
+    """The tokens' log-probabilities (`TokenLogprob`) handed out with the text they made, as
+    a `StopFilter` lets the text out: a token's entry goes out once all of its text has been
+    emitted; at the end, the entries of the tokens whose text begins before the end of the
+    emitted text (a stop string cuts it), the others dropped."""
+
+    def __init__(self):
+        self.pending, self.made, self.emitted = [], 0, 0
+
+    def feed(self, scores, emitted: str, finish: Optional[str]) -> list:
+        """scores: the entries of a response's tokens (None: none); emitted: the text the
+        StopFilter let out of it; finish: its finish reason. Returns the entries to send, as
+        (where the token's text begins in the whole text, entry)."""
+        for s in scores or ():
+            start = self.made
+            self.made += len(s.text)
+            self.pending.append((start, self.made, s))
+        self.emitted += len(emitted)
+        if finish is not None:
+            out = [(start, s) for start, _, s in self.pending if start < self.emitted]
+            self.pending = []
+            return out
+        n = 0
+        while n < len(self.pending) and self.pending[n][1] <= self.emitted:
+            n += 1
+        out = [(start, s) for start, _, s in self.pending[:n]]
+        self.pending = self.pending[n:]
+        return out

@@ -24,6 +24,7 @@ MAX_DRAFT_TOP_K = 64    # each draft level ranks draft_top_k ** 2 candidates
 MAX_DEPTH = 64          # each level is one head forward per cycle
 MAX_TREE_NODES = 1024   # the verify pass attends between every pair of tree nodes
 MAX_SEED = 2**64 - 1    # MLX's random seed is an unsigned 64-bit integer
+MAX_TOP_LOGPROBS = 20   # alternatives per token a response may report (as OpenAI's API)
 
 
 def static_top_k(tree_choices) -> int:
@@ -74,8 +75,9 @@ def check_values(max_tokens=256, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=N
 @dataclass(frozen=True)
 class GenerationSettings:
     """What one generation runs with: sampling (as mlx-lm's `make_sampler` means it), the
-    tree (None: the model's tuned or default tree), the context, and whether to speculate
-    (None: as the model decides). `check()` validates every field, in this one place."""
+    tree (None: the model's tuned or default tree), the context, whether to speculate
+    (None: as the model decides), and whether to report each token's log-probability with
+    its `logprobs` top alternatives (None: not). `check()` validates every field, in this one place."""
 
     max_tokens: int = 256
     temp: float = 0.0
@@ -89,6 +91,7 @@ class GenerationSettings:
     tree_choices: Optional[Sequence[Sequence[int]]] = None
     max_context: Optional[int] = None
     speculate: Optional[bool] = None
+    logprobs: Optional[int] = None
 
     def check(self, name=lambda n: n) -> "GenerationSettings":
         """EagleError naming the first bad field (`name` turns a field into what the caller
@@ -99,6 +102,11 @@ class GenerationSettings:
         check(self.speculate is None or isinstance(self.speculate, bool),
                f"{name('speculate')} must be None, True or False (got {self.speculate!r}).",
                "speculate")
+        lp = self.logprobs
+        check(lp is None or (is_int(lp) and 0 <= lp <= MAX_TOP_LOGPROBS),
+              f"{name('logprobs')} must be None (off) or the number of top alternatives to "
+              f"report with each token's log-probability, from 0 to {MAX_TOP_LOGPROBS} "
+              f"(got {lp!r}).", "logprobs")
         return self
 
     def replace(self, **changes) -> "GenerationSettings":

@@ -13,6 +13,7 @@ import mlx.core as mx
 from .accept import KeyChain
 from .drafters import EagleDrafter
 from .engine import PREFILL_STEP_SIZE, Engine, SamplingParams, State, Step
+from .logprobs import score
 from ..mlxlm import generate_step
 from .profiling import PhaseTimer, profiled_cycle
 
@@ -107,9 +108,11 @@ def _same(a, b) -> bool:
 
 def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
                 max_context: int, prompt_cache: Optional[PromptCache] = None,
-                keys: Optional[KeyChain] = None) -> Iterator[Step]:
+                keys: Optional[KeyChain] = None,
+                logprobs: Optional[int] = None) -> Iterator[Step]:
     """Autoregressive decoding of the target alone through mlx-lm's `generate_step`
-    (keys: the random keys of its draws; None: MLX's global random state)."""
+    (keys: the random keys of its draws; None: MLX's global random state; logprobs: report
+    each token's log-probability with that many alternatives)."""
     pc = prompt_cache if prompt_cache is not None else PromptCache()
 
     def sampler(logprobs):  # [1, V]: drawn as a row of a batch draws it, over [V]
@@ -119,14 +122,15 @@ def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
     start = pc.reuse(target, None, prompt)
     cached = list(prompt)
     n = len(prompt)  # tokens in the cache once the last yielded token is fed
-    for token, _ in generate_step(mx.array(list(prompt[start:])), target.plain_model, max_tokens=-1,
-                                  sampler=sampler, prompt_cache=pc.target,
-                                  prefill_step_size=PREFILL_STEP_SIZE):
+    for token, lp in generate_step(mx.array(list(prompt[start:])), target.plain_model,
+                                   max_tokens=-1, sampler=sampler, prompt_cache=pc.target,
+                                   prefill_step_size=PREFILL_STEP_SIZE):
         token = int(token)
         cached.append(token)
         # generate_step has fed the token it yields (it computes one step ahead)
         pc.tokens, pc.length, pc.valid = cached, len(cached), True
-        yield Step([token], None)  # nothing drafted
+        scores = None if logprobs is None else score(sampling, lp[None], [token], logprobs)
+        yield Step([token], None, logprobs=scores)  # nothing drafted
         pc.valid = False
         n += 1
         if n > max_context:  # the next token would need a position past the context
@@ -137,21 +141,23 @@ def speculative_steps(target, drafter, prompt: Sequence[int], sampling: Sampling
                       max_context: Optional[int] = None, trace: bool = False,
                       timer: Optional[PhaseTimer] = None,
                       prompt_cache: Optional[PromptCache] = None,
-                      keys: Optional[KeyChain] = None) -> Iterator[Step]:
+                      keys: Optional[KeyChain] = None,
+                      logprobs: Optional[int] = None) -> Iterator[Step]:
     """Speculative decoding with any drafter (`drafters.Drafter`); yields one Step per
-    target forward (keys: the random keys of its draws; None: MLX's global state).
+    target forward (keys: the random keys of its draws; None: MLX's global state;
+    logprobs: as `plain_steps`).
 
     trace: attach the verified tree to every Step. timer: profile the phases of each cycle
     (`profiling.profiled_cycle`: a sync after every phase). prompt_cache: reuse (and leave
     behind) the caches of an earlier call."""
-    engine = Engine(target, drafter, sampling, max_context or target.max_context)
+    engine = Engine(target, drafter, sampling, max_context or target.max_context, logprobs)
     pc = prompt_cache if prompt_cache is not None else PromptCache()
     start = pc.reuse(target, drafter, prompt)
     state = pc.state()
     state.keys = keys
     root = engine.prefill(state, prompt, start)
     pc.record(state)
-    yield Step([root], None)
+    yield Step([root], None, logprobs=engine.root_logprobs)
     pc.valid = False
     while engine.fits(state):
         step = engine.cycle(state) if timer is None else profiled_cycle(engine, state, timer)
