@@ -366,6 +366,11 @@ def build_parser():
                    help="also measure continuous batching at these batch sizes (plain and every "
                         "tree, aggregate tokens/s) and choose a tree (or plain decoding) per size, "
                         "which the server's --max-batch uses")
+    p.add_argument("--auto", action="store_true",
+                   help="compare adaptive speculation (the tools' default) with plain decoding, "
+                        "interleaved on every prompt: tokens/s, tau, what it chose and whether "
+                        "the text is plain decoding's, per dataset (default datasets: mt-bench "
+                        "humaneval edit); no tree is tuned")
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="eagle_benchmark.json", help="JSON report")
@@ -401,6 +406,61 @@ def check_args(args):
         raise UsageError(f"--draft-vocabs must be 0 (the whole vocabulary) or positive sizes "
                          f"(got {args.draft_vocabs}).")
     return trees
+
+
+def auto_report(model, tokenizer, encoded, args) -> dict:
+    """Plain decoding and adaptive speculation, interleaved on every prompt at every
+    temperature (the machine's drift hits both alike); per dataset the tokens/s of each
+    (total tokens over total time), their ratio, tau, what auto chose, and whether its text
+    is plain decoding's (greedy)."""
+    from .generation import stream_generate
+
+    costs = model.costs()
+    report = {"machine": machine(), "model": str(model.target.path), "eagle": model.head_path,
+              "max_tokens": args.max_tokens, "costs": costs.asdict(), "temps": {}}
+    for temp in args.temps:
+        rows = []
+        for i, (src, ids) in enumerate(encoded):
+            row = {"source": src, "prompt_tokens": len(ids)}
+            for name, speculate in (("plain", False), ("auto", "auto")):
+                start, tokens, r = time.perf_counter(), [], None
+                for r in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,
+                                         temp=temp, seed=args.seed + i, speculate=speculate):
+                    tokens += r.tokens
+                row[name] = {"tokens": tokens, "seconds": time.perf_counter() - start,
+                             "generation_tps": r.generation_tps,
+                             "target_forwards": r.target_forwards, "passes": r.passes}
+            a, p = row["auto"], row["plain"]
+            row["identical"] = a["tokens"] == p["tokens"] if temp == 0 else None
+            rows.append(row)
+            print(f"[{src} {i + 1}/{len(encoded)} temp {temp}] plain "
+                  f"{len(p['tokens']) / p['seconds']:.2f} tok/s, auto "
+                  f"{len(a['tokens']) / a['seconds']:.2f} tok/s, tau "
+                  f"{len(a['tokens']) / max(a['target_forwards'], 1):.2f}, {a['passes']}",
+                  file=sys.stderr)
+        summary = {}
+        for src in dict.fromkeys(r["source"] for r in rows):
+            mine = [r for r in rows if r["source"] == src]
+            tps = {m: sum(len(r[m]["tokens"]) for r in mine) / sum(r[m]["seconds"] for r in mine)
+                   for m in ("plain", "auto")}
+            passes = {}
+            for r in mine:
+                for k, n in r["auto"]["passes"].items():
+                    passes[k] = passes.get(k, 0) + n
+            summary[src] = {
+                "plain_tokens_per_second": tps["plain"], "auto_tokens_per_second": tps["auto"],
+                "ratio": tps["auto"] / tps["plain"],
+                "tau": sum(len(r["auto"]["tokens"]) for r in mine) /
+                max(sum(r["auto"]["target_forwards"] for r in mine), 1),
+                "passes": passes,
+                "identical": all(r["identical"] for r in mine) if temp == 0 else None}
+            s = summary[src]
+            print(f"temp {temp} {src}: plain {s['plain_tokens_per_second']:.2f} tok/s, auto "
+                  f"{s['auto_tokens_per_second']:.2f} tok/s ({s['ratio']:.2f}x), tau "
+                  f"{s['tau']:.2f}, passes {passes}"
+                  + ("" if temp else f", identical to plain: {s['identical']}"))
+        report["temps"][str(temp)] = {"summary": summary, "prompts": rows}
+    return report
 
 
 def measure_prompt(model, tokenizer, ids, args, trees, default, temp, seed, count_graph):
@@ -604,14 +664,15 @@ def _main(argv):
         output = check_out_file(args.output, "--output")
         plot_path = check_out_file(args.plot if args.plot else output.with_suffix(".png"),
                                    "--plot")
-    if importlib.util.find_spec("matplotlib") is None:  # checked before hours of measuring
+    if importlib.util.find_spec("matplotlib") is None and not args.auto:  # before measuring
         raise EagleError("the benchmark draws its plot with matplotlib, which is not installed; "
                          "pip install matplotlib.")
-    if args.model is not None and args.eagle is None and not args.lookup:
+    if args.model is not None and args.eagle is None and not args.lookup and not args.auto:
         raise UsageError("the benchmark compares EAGLE (or, with --lookup, prompt lookup) with "
                          "plain decoding: give --eagle or --lookup.")
     if args.datasets is None:
-        args.datasets = ["mt-bench", "humaneval"] + (["edit"] if args.lookup else [])
+        args.datasets = ["mt-bench", "humaneval"] + (["edit"] if args.lookup or args.auto
+                                                     else [])
     prompts = load_prompts(args.datasets, args.num_prompts, args.prompts)  # before the model
     model, tokenizer = load_from_args(args)
     encoded = [(src, chat_prompt(tokenizer, [{"role": "user", "content": text}],
@@ -621,6 +682,15 @@ def _main(argv):
         raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the "
                          f"model's context of {model.target.max_context} tokens.")
     encoded = [(src, ids[-limit:]) for src, ids in encoded]  # keep long prompts in context
+    if args.save_tuning and model.group is None:
+        from .costs import model_costs
+
+        model.measured = model_costs(model, refresh=True)  # the costs, measured again
+    if args.auto:
+        report = auto_report(model, tokenizer, encoded, args)
+        if writes:
+            atomic_file(output, lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
+        return 0
     if model.lookup is not None:
         lookup = lookup_report(model, tokenizer, encoded, args)
         if model.head is None:  # prompt lookup alone: no tree to tune

@@ -94,7 +94,7 @@ class Chat:
             print("no reply yet")
             return
         print("last reply:")
-        print_stats(self.last)
+        print_stats(self.last, costs=self.model.measured)
         s = self.session
         print(f"session: {s['replies']} replies, {s['tokens']} tokens, "
               f"{s['forwards']} target forwards, {len(self.turns) // 2} turns in history")

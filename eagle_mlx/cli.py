@@ -6,6 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 from .errors import EagleError
 from .decoding.tree import MC_SIM_7B_63
@@ -82,8 +83,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_lookup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup", action="store_true",
-                   help="prompt lookup: drafts copied from the context, alone (without --eagle, "
-                        "and with --model) or merged into the head's tree")
+                   help="prompt lookup (drafts copied from the context, one of --speculate "
+                        "auto's options) also when speculation is forced: alone (without "
+                        "--eagle, and with --model) or merged into the head's tree")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="never draft with prompt lookup (not even under --speculate auto)")
     p.add_argument("--lookup-min-match", type=int, default=None,
                    help="shortest earlier occurrence of the context's end that drafts (default 2)")
     p.add_argument("--lookup-max-draft", type=int, default=None,
@@ -91,9 +95,14 @@ def add_lookup_args(p: argparse.ArgumentParser) -> None:
 
 
 def lookup_from_args(args):
-    """LookupSettings from --lookup and its settings (None without --lookup)."""
+    """LookupSettings from --lookup and its settings (None without --lookup: lookup is one of
+    adaptive speculation's options; False with --no-lookup)."""
     from .decoding.lookup import LookupSettings
 
+    if getattr(args, "no_lookup", False):
+        if getattr(args, "lookup", False):
+            raise UsageError("--lookup and --no-lookup contradict each other; give one.")
+        return False
     extra = {k: getattr(args, f"lookup_{k}", None) for k in ("min_match", "max_draft")}
     given = [k for k, v in extra.items() if v is not None]
     if not getattr(args, "lookup", False):
@@ -140,6 +149,18 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="children per drafted node (default: tuned or 4)")
     p.add_argument("--tree-choices", default=None,
                    help="EAGLE-1 static tree: 'mc_sim_7b_63' or a JSON list of paths")
+    add_speculate_arg(p)
+
+
+SPECULATE = {"auto": "auto", "always": True, "never": False}
+
+
+def add_speculate_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculate", choices=list(SPECULATE), default="auto",
+                   help="auto (default): every pass chooses plain decoding, prompt lookup or the "
+                        "head's trees from this machine's measured costs and the acceptance so "
+                        "far; always: the head's tree (or lookup) every pass; never: plain "
+                        "decoding. Tree flags mean always, with that tree")
 
 
 def flag_name(field: str) -> str:
@@ -155,7 +176,8 @@ def settings_from_args(args):
     settings = GenerationSettings(
         max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, total_tokens=args.total_tokens, depth=args.depth,
-        draft_top_k=args.draft_top_k, tree_choices=tree_choices)
+        draft_top_k=args.draft_top_k, tree_choices=tree_choices,
+        speculate=SPECULATE[args.speculate])
     try:
         return settings.check(name=flag_name)
     except EagleError as e:
@@ -237,6 +259,16 @@ def describe_mode(model, settings) -> str:
     """What a generation with these settings runs: plain decoding or the tree actually used."""
     from .decoding.plan import tree_plan
 
+    explicit = any(getattr(settings, k) is not None for k in
+                   ("total_tokens", "depth", "draft_top_k", "tree_choices"))
+    if settings.speculate == "auto" and not explicit and model.group is None:
+        drafts = ["prompt lookup"] if model.auto_lookup is not None else []
+        if model.head is not None:
+            drafts.append(f"{describe_head(model.head)}: chains and trees")
+        if not drafts:
+            return "plain decoding (no head, and --no-lookup)"
+        return ("auto: every pass chooses plain decoding, " + " or ".join(drafts) +
+                ", from this machine's measured costs and the acceptance so far")
     lookup = getattr(model, "lookup", None)
     tree = None if model.head is None else tree_plan(
         model, settings.total_tokens, settings.depth, settings.draft_top_k, settings.tree_choices)
@@ -255,10 +287,21 @@ def describe_mode(model, settings) -> str:
         shape = (f"dynamic tree: total_tokens {tree.total_tokens}, depth {tree.depth}, "
                  f"draft_top_k {tree.draft_top_k}")
     source = "tuned" if model.tuning and model.tuning.get("speculate", True) else "default"
-    explicit = any(getattr(settings, k) is not None for k in
-                   ("total_tokens", "depth", "draft_top_k", "tree_choices"))
     merged = " with prompt lookup branches in its budget" if lookup is not None else ""
     return f"{describe_head(model.head)}, {shape}{merged} ({'flags' if explicit else source})"
+
+
+def describe_costs(model, settings) -> Optional[str]:
+    """This machine's measured costs, where adaptive speculation uses them (measured now if
+    they were not yet): each pass's seconds by tree size, and what the head's drafting adds."""
+    if model.group is not None or settings.speculate != "auto" or any(
+            getattr(settings, k) is not None for k in
+            ("total_tokens", "depth", "draft_top_k", "tree_choices")):
+        return None
+    costs = model.costs()
+    verify = ", ".join(f"{n} {s * 1e3:.1f}" for n, s in costs.verify_points)
+    draft = ", ".join(f"{k} +{s * 1e3:.1f}" for k, s in costs.draft_costs.items())
+    return (f"costs, ms a pass by nodes: {verify}" + (f"; drafting: {draft}" if draft else ""))
 
 
 def describe_head(head) -> str:
@@ -282,13 +325,31 @@ def chat_prompt(tokenizer, messages, use_template: bool = True):
     return encode_prompt(tokenizer, "\n".join(m["content"] for m in messages))
 
 
-def print_stats(r, file=None) -> None:
+def speculation_summary(r, costs=None) -> str:
+    """What adaptive speculation chose: `auto, 31 of 62 passes speculated (lookup 24, head
+    7), tau 2.10` (the prefill's pass not counted), and with the machine's `costs` why: what
+    a pass over more tokens costs here, in plain passes."""
+    total = sum(r.passes.values())
+    drafted = {k: n for k, n in r.passes.items() if k != "plain"}
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(drafted.items(), key=lambda x: -x[1]))
+    text = (f"auto, {sum(drafted.values())} of {total} passes speculated"
+            + (f" ({kinds})" if kinds else "") + f", tau {r.mean_accept_length:.2f}")
+    if costs is not None:
+        plain = costs.verify(1)
+        text += "; a pass over 2, 4, 8 tokens costs " + ", ".join(
+            f"{costs.verify(n) / plain:.1f}" for n in (2, 4, 8)) + " plain passes here"
+    return text
+
+
+def print_stats(r, file=None, costs=None) -> None:
     file = file or sys.stdout  # the stream of the moment (a caller may have redirected it)
     print("==========", file=file)
     print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec", file=file)
     print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec",
           file=file)
-    if r.accept_lengths:
+    if r.passes:
+        print(f"Speculation: {speculation_summary(r, costs)}", file=file)
+    elif r.accept_lengths:
         print(f"Acceptance: tau {r.mean_accept_length:.2f} tokens per target forward "
               f"({r.target_forwards} target forwards)", file=file)
     else:

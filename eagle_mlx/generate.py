@@ -10,7 +10,7 @@ import sys
 import types
 
 from .cli import (ArgumentParser, UsageError, add_model_args, add_sampling_args, chat_prompt,
-                  describe_mode, load_from_args, print_stats, read_stdin, run_cli,
+                  describe_costs, describe_mode, load_from_args, print_stats, read_stdin, run_cli,
                   settings_from_args, text_arg)
 from .errors import EagleError
 
@@ -24,7 +24,8 @@ def build_parser() -> ArgumentParser:
                    help="tokenize the prompt as is, without the chat template")
     add_sampling_args(p)
     p.add_argument("--verbose", action="store_true",
-                   help="also print the tree settings and every pass's accept length")
+                   help="also print the tree settings (with --speculate auto: the measured "
+                        "costs) and every pass's accept length (and what it drafted)")
     return p
 
 
@@ -48,18 +49,22 @@ def _main(argv) -> int:
                          f"{context} tokens.")
     if args.verbose:
         print(f"[{describe_mode(model, settings)}]", file=sys.stderr)
+        costs = describe_costs(model, settings)
+        if costs:
+            print(f"[{costs}]", file=sys.stderr)
     print("==========")
     last = None
     try:
         for r in stream_generate(model, tokenizer, ids, settings=settings):
             print(r.text, end="", flush=True)
             if args.verbose and r.accept_length is not None:
-                print(f"[{r.accept_length}]", end="", file=sys.stderr, flush=True)
+                what = f"{r.choice}: " if r.choice else ""
+                print(f"[{what}{r.accept_length}]", end="", file=sys.stderr, flush=True)
             last = r
     except EagleError as e:
         raise UsageError(str(e)) from None
     print()
-    print_stats(last)
+    print_stats(last, costs=model.measured)
     warning = acceptance_warning(model, last, settings.temp)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)

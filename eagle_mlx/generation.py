@@ -38,7 +38,7 @@ def stream_generate(
     draft_top_k: Optional[int] = None,
     tree_choices: Optional[Sequence[Sequence[int]]] = None,
     max_context: Optional[int] = None,
-    speculate: Optional[bool] = None,
+    speculate: Union[str, bool, None] = "auto",
     min_p: float = 0.0,
     prompt_cache: Optional[PromptCache] = None,
     settings: Optional[GenerationSettings] = None,
@@ -50,8 +50,13 @@ def stream_generate(
     With `model.head` None this is plain autoregressive decoding of the target.
     temp, top_p, min_p, top_k: as mlx-lm's `make_sampler` (filters on the untempered
     distribution, then the temperature); temp 0 is greedy.
-    speculate: None decides from the model (its head and the benchmark's tuning; explicit
-    tree settings always speculate); False forces plain decoding, True EAGLE.
+    speculate: "auto" (the default) chooses every target forward between plain
+    decoding, prompt lookup (unless loaded with lookup=False) and the head's chains and
+    trees, from this machine's costs (measured at first use, then cached) and the
+    acceptance so far; True always drafts (the head's tree; lookup where loaded with
+    lookup=True); False is plain decoding; None runs the benchmark's saved choice for this
+    machine (its tree, or plain decoding where it found none pays). Explicit tree settings
+    mean True, with that tree.
     tree_choices: EAGLE-1 static tree (list of paths); None: EAGLE-2 dynamic tree of
     `total_tokens` nodes (incl. the root), `depth` levels, `draft_top_k` children.
     prompt_cache: a `PromptCache` kept across calls; a prompt extending what it holds
@@ -141,6 +146,8 @@ class BatchResult:
     accept_lengths: List[int] = field(default_factory=list, repr=False)
     # where asked for (settings' logprobs): one per token of `tokens`
     logprobs: Optional[List[TokenLogprob]] = field(default=None, repr=False)
+    # adaptive speculation: its passes by what they drafted (see GenerationResponse.passes)
+    passes: Dict[str, int] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -216,7 +223,7 @@ def batch_generate(model, tokenizer, prompts: Sequence[Union[str, Sequence[int]]
         r, finish = last[i]
         results.append(BatchResult(texts[i], tokens[i], finish, r.prompt_tokens,
                                    r.generation_tokens, r.mean_accept_length, r.target_forwards,
-                                   r.accept_lengths, scores[i]))
+                                   r.accept_lengths, scores[i], r.passes))
     produced = sum(r.generation_tokens for r in results)
     stats = {"prompt_tokens": sum(r.prompt_tokens for r in results), "generation_tokens": produced,
              "seconds": elapsed, "generation_tps": produced / max(elapsed, 1e-9),

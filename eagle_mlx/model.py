@@ -1,6 +1,6 @@
 """`load`: a target, optionally paired with an EAGLE head, ready for `stream_generate`."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -33,6 +33,27 @@ class EagleModel:
     tuning: Optional[dict] = None  # the benchmark's choice for this head, target and machine
     group: Optional[object] = None  # the mx.distributed group the target is sharded over
     lookup: Optional[object] = None  # LookupSettings: prompt lookup alone or with the head
+    # LookupSettings: prompt lookup among adaptive speculation's options (None: not)
+    auto_lookup: Optional[object] = None
+    measured: Optional[object] = field(default=None, repr=False)  # the machine's costs
+
+    def costs(self):
+        """This machine's costs for adaptive speculation (measured at first use, cached)."""
+        if self.measured is None:
+            from .costs import model_costs
+
+            self.measured = model_costs(self)
+        return self.measured
+
+    def adaptive_drafter(self):
+        """The drafter of `speculate="auto"`: plain, lookup or the head, chosen every cycle."""
+        from .costs import head_options
+        from .decoding.adaptive import AdaptiveDrafter
+
+        prior = None if self.head is None else self.head.held_out_top1
+        return AdaptiveDrafter(self.costs(), self.target, self.head, head_options(self),
+                               self.auto_lookup, head_prior=prior,
+                               node_limit=self.target.tree_node_limit())
 
     @property
     def speculates(self) -> bool:
@@ -62,7 +83,7 @@ class EagleModel:
 
 def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
          dtype: Optional[str] = None, draft_vocab: Optional[int] = None,
-         draft_vocab_data: Optional[str] = None, group=None, lookup=False):
+         draft_vocab_data: Optional[str] = None, group=None, lookup=None):
     """Load a target (folder, Hugging Face repo id or GGUF file) and, optionally, its EAGLE head.
 
     `eagle` may be a converted MLX head folder or a published PyTorch one (converted in
@@ -75,9 +96,10 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     group: an `mx.distributed` group (`mx.distributed.init()` under `mlx.launch`): the
     target is sharded over its ranks (tensor parallel), the head runs whole on each; every
     rank then runs the same `stream_generate` calls.
-    lookup: True (or a `lookup.LookupSettings`) adds prompt lookup: drafts copied from the
-    context, alone (eagle=None: speculation with no head at all) or as branches of the
-    head's tree within its node budget.
+    lookup: None (default): prompt lookup (drafts copied from the context) is one of the
+    options adaptive speculation (`speculate="auto"`) chooses from; True (or a
+    `lookup.LookupSettings`): also whenever speculation is forced, alone (eagle=None) or as
+    branches of the head's tree within its node budget; False: never.
     Returns (EagleModel, tokenizer); with eagle=None and no lookup decoding is plain.
     """
     convert_to = resolve_dtype(dtype)
@@ -90,6 +112,7 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
           "draft_vocab_data")
     if group is not None and group.size() < 2:
         group = None
+    auto = lookup is not False
     if lookup is True:
         lookup = LookupSettings()
     elif lookup is False or lookup is None:
@@ -101,8 +124,10 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
         lookup.check()
     t, tokenizer = load_target(target, lazy=lazy, dtype=dtype, group=group)
     if eagle is None:
-        tuning = read_tuning(None, t.path, t.dtype) if lookup is not None else None
-        return EagleModel(t, group=group, lookup=_calibrated(lookup, tuning)), tokenizer
+        tuning = read_tuning(None, t.path, t.dtype) if auto else None
+        return EagleModel(t, group=group, lookup=_calibrated(lookup, tuning),
+                          auto_lookup=_calibrated(lookup or LookupSettings(), tuning)
+                          if auto else None), tokenizer
     head = load_head(eagle, t)
     if convert_to is not None:
         convert_dtype(head, convert_to)
@@ -114,7 +139,8 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
         draft_vocab = tuning["draft_vocab"]  # the benchmark's choice on this machine
     if draft_vocab:
         attach_draft_vocab(head, t, tokenizer, draft_vocab, draft_vocab_data)
-    return EagleModel(t, head, str(path), tuning, group, _calibrated(lookup, tuning)), tokenizer
+    return EagleModel(t, head, str(path), tuning, group, _calibrated(lookup, tuning),
+                      _calibrated(lookup or LookupSettings(), tuning) if auto else None), tokenizer
 
 
 def _calibrated(lookup, tuning):

@@ -23,7 +23,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional
 
-from .cli import ArgumentParser, add_model_args, run_cli
+from .cli import ArgumentParser, add_model_args, add_speculate_arg, run_cli
 from .errors import EagleError, is_int
 
 MAX_BODY_BYTES = 1 << 20  # default limit on a request body
@@ -279,7 +279,10 @@ class JobRunner:
             "prompt_tokens_details": {"cached_tokens": cached},
             "eagle": {"tau": round(last.mean_accept_length, 4) if last else 0.0,
                       "target_forwards": last.target_forwards if last else 0,
-                      "speculative": bool(last and last.accept_lengths)},
+                      "speculative": bool(last and (
+                          any(k != "plain" for k in last.passes) if last.passes
+                          else last.accept_lengths)),
+                      "passes": dict(last.passes) if last else {}},
         }
         job.events.put(("done", "stop" if finish in ("stop", "cancelled") else finish or "length",
                         usage))
@@ -737,6 +740,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=512,
                    help="max_tokens of a request that gives none (capped by the context)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature of a request that gives none")
+    add_speculate_arg(p)
     p.add_argument("--max-batch", type=int, default=1,
                    help="requests decoded at once, continuously batched, each its own tree "
                         "(default 1: one at a time, with a prompt cache kept across turns)")
@@ -749,7 +753,7 @@ def build_parser() -> ArgumentParser:
 
 
 def _main(argv) -> int:
-    from .cli import UsageError, flag_name, load_from_args
+    from .cli import SPECULATE, UsageError, flag_name, load_from_args
     from .decoding.settings import GenerationSettings
 
     args = build_parser().parse_args(argv)
@@ -758,8 +762,8 @@ def _main(argv) -> int:
     if args.max_body_bytes < 1024:
         raise UsageError(f"--max-body-bytes must be at least 1024 (got {args.max_body_bytes}).")
     try:  # the defaults of requests that give none
-        defaults = GenerationSettings(max_tokens=args.max_tokens, temp=args.temp).check(
-            name=flag_name)
+        defaults = GenerationSettings(max_tokens=args.max_tokens, temp=args.temp,
+                                      speculate=SPECULATE[args.speculate]).check(name=flag_name)
     except EagleError as e:
         raise UsageError(str(e)) from None
     if args.temp > MAX_TEMPERATURE:
@@ -778,6 +782,8 @@ def _main(argv) -> int:
         follow(model, tokenizer)  # rank 0 serves; this rank runs its share of the work
         return 0
     model_id = args.model_id or args.model or "eagle_mlx-demo"
+    if defaults.speculate == "auto" and model.group is None:
+        model.costs()  # (measured before serving, where this machine has no record yet)
     try:
         server = Server((args.host, args.port), Handler, max_connections=args.max_connections)
     except OSError as e:
@@ -802,6 +808,9 @@ def _main(argv) -> int:
     mode = "plain decoding" if model.head is None else f"{model.head.kind} head"
     if model.lookup is not None:
         mode = "prompt lookup" if model.head is None else mode + " with prompt lookup"
+    if defaults.speculate == "auto" and model.group is None:
+        mode = "adaptive: plain" + (", prompt lookup" if model.auto_lookup is not None else "") \
+            + ("" if model.head is None else f", {model.head.kind} head")
     if args.max_batch > 1:
         mode += f", up to {args.max_batch} requests batched"
     print(f"serving {model_id} ({mode}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)

@@ -56,7 +56,7 @@ SETTINGS = [
     GenerationSettings(max_tokens=20, speculate=False),
     GenerationSettings(max_tokens=28, temp=1.0, seed=9, speculate=False),
     GenerationSettings(max_tokens=16, tree_choices=[[0], [1], [0, 0]]),
-    GenerationSettings(max_tokens=26, temp=0.5, top_k=5, top_p=0.9, seed=2),
+    GenerationSettings(max_tokens=26, temp=0.5, top_k=5, top_p=0.9, seed=2, speculate=True),
 ]
 
 
@@ -263,7 +263,7 @@ def test_the_batch_size_tuning_picks_each_joining_sequence_tree(pairs, tmp_path,
     model, tok = eagle_mlx.load(str(t), eagle=str(h))
     assert model.tree_settings(5).asdict() == tree4 and not model.speculates_at(2)
     gen = BatchGenerator(model, tok, max_batch=3)
-    uids = [gen.add(p, max_tokens=20) for p in PROMPTS[:3]]
+    uids = [gen.add(p, max_tokens=20, speculate=None) for p in PROMPTS[:3]]
     got, trees = {u: [] for u in uids}, {}
     while gen.busy:
         for uid, r in gen.step():
@@ -287,7 +287,8 @@ def test_prompt_caches_carry_each_conversation_to_its_next_turn(pairs, name):
 
     t, h = pairs(name)
     model, tok = eagle_mlx.load(str(t), eagle=str(h), lookup=True)
-    s = [GenerationSettings(max_tokens=14, **TREE), GenerationSettings(max_tokens=10),
+    s = [GenerationSettings(max_tokens=14, **TREE), GenerationSettings(max_tokens=10,
+                                                                       speculate=None),
          GenerationSettings(max_tokens=12, temp=0.8, seed=4, **TREE)]
     firsts = PROMPTS[1:4]
     want = []

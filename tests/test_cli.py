@@ -50,14 +50,21 @@ def test_generate_streams_what_the_api_generates(pair):
     model, tok = eagle_mlx.load(str(target), eagle=str(head))
     ids = chat_ids(tok, [{"role": "user", "content": "t5 t9 t11"}])
     assert text == eagle_mlx.generate(model, tok, ids, max_tokens=24) + "\n"
-    for line in ("Prompt: ", "Generation: ", "Acceptance: tau ", "target forwards", "Peak memory: "):
+    for line in ("Prompt: ", "Generation: ", "Speculation: auto, ", "passes speculated",
+                 "plain passes here", "Peak memory: "):
+        assert line in stats
+    proc = cli("generate", "--model", target, "--eagle", head, "--prompt", "t5 t9 t11",
+               "--max-tokens", 24, "--speculate", "always")
+    _, text_always, stats = proc.stdout.split("==========\n")
+    assert text_always == text
+    for line in ("Acceptance: tau ", "target forwards"):
         assert line in stats
 
 
 def test_generate_reads_stdin_without_template_and_plain(pair):
     target, head = pair
     proc = cli("generate", "--model", target, "--prompt", "-", "--ignore-chat-template",
-               "--max-tokens", 10, stdin="t7 t8")
+               "--max-tokens", 10, "--speculate", "never", stdin="t7 t8")
     assert proc.returncode == 0, proc.stderr
     model, tok = eagle_mlx.load(str(target))
     assert proc.stdout.split("==========\n")[1] == eagle_mlx.generate(model, tok, "t7 t8", max_tokens=10) + "\n"

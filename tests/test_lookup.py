@@ -179,11 +179,11 @@ def test_lookup_alone_copies_a_repeated_text_at_tau_3_on_the_demo_pair(demo):
     ids = chat_prompt(tok, [{"role": "user", "content": REPEAT}])
     plain = [t for r in eagle_mlx.stream_generate(alone, tok, ids, max_tokens=24,
                                                   speculate=False) for t in r.tokens]
-    rs = list(eagle_mlx.stream_generate(alone, tok, ids, max_tokens=24))
+    rs = list(eagle_mlx.stream_generate(alone, tok, ids, max_tokens=24, speculate=True))
     assert [t for r in rs for t in r.tokens] == plain
     assert rs[-1].mean_accept_length >= 3, rs[-1].mean_accept_length
-    both = [t for r in eagle_mlx.stream_generate(merged, tok, ids, max_tokens=24)
-            for t in r.tokens]
+    both = [t for r in eagle_mlx.stream_generate(merged, tok, ids, max_tokens=24,
+                                                 speculate=True) for t in r.tokens]
     assert both == plain
 
 
@@ -200,7 +200,7 @@ def test_the_tools_take_lookup_and_refuse_its_bad_values(pair):
 
     target, _ = pair
     proc = cli("generate", "--model", target, "--lookup", "--prompt", "t5 t9 t5 t9 t5",
-               "--max-tokens", 20, "--verbose")
+               "--max-tokens", 20, "--verbose", "--speculate", "always")
     assert proc.returncode == 0, proc.stderr
     assert "prompt lookup alone" in proc.stdout + proc.stderr
     model, tok = eagle_mlx.load(str(target))

@@ -12,6 +12,7 @@ import pytest
 import eagle_mlx
 from conftest import WINDOWED_TARGETS
 from eagle_mlx import EagleError, load_target
+from eagle_mlx.decoding.drafters import Drafter
 from eagle_mlx.decoding.steps import PromptCache, SamplingParams, eagle_steps
 from test_target import random_tree, tree_forward
 from tiny import continue_greedily, make_eagle_head, make_hf_model
@@ -374,7 +375,7 @@ def test_a_multimodal_checkpoint_runs_its_language_model(tiny_dir, tmp_path, nam
     assert out == hf_greedy(reference, ids, 12)
 
 
-class _ForeknowingDrafter:
+class _ForeknowingDrafter(Drafter):
     """Drafts from a known continuation (transformers' greedy one): a chain whose first
     `right` tokens are correct and then wrong, and a wrong sibling at every depth, so that
     cycles accept long paths (up to depth - 1 tokens) across the windows, and short ones."""
@@ -384,7 +385,6 @@ class _ForeknowingDrafter:
     def __init__(self, sequence, depth, vocab, seed):
         self.sequence, self.max_depth, self.vocab = sequence, depth, vocab
         self.rng = np.random.default_rng(seed)
-        self.owner = self
 
     def new_state(self):
         return {"seen": 0}

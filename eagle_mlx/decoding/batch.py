@@ -355,6 +355,9 @@ class BatchGenerator:
             step = s.engine.advance(s.state, t, v, path, bonus.item())
             if not sp:
                 step.accept_length = None if s.plain else 0
+            else:  # (a batch's cycle is not one row's: its time is not the row's cost)
+                s.engine.drafter.observe(s.state.drafter, step.tokens[:-1], None)
+                step.choice = s.engine.drafter.chosen(s.state.drafter)
             s.steps.append(step)
         self.target.batch_accept(self.caches, kept)
         mx.async_eval(self.rows.arrays())

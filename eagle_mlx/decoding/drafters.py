@@ -66,6 +66,15 @@ class Drafter:
         token is the root). Returns the tree to verify, root first."""
         raise NotImplementedError
 
+    def observe(self, state, accepted: List[int], seconds: Optional[float]) -> None:
+        """After a cycle: the drafted tokens the target accepted, in order, and the seconds
+        the cycle took (None where it was not timed alone). Nothing here."""
+
+    def chosen(self, state) -> Optional[str]:
+        """What the latest cycle drafted, for a drafter that chooses (None: always the
+        same)."""
+        return None
+
     # ---------------------------------------------------------------- in a batch
     def head_caches(self, state) -> Optional[list]:
         """The per-layer KV caches of a head inside `state`, which a batch may hold in its

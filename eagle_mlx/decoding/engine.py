@@ -15,6 +15,7 @@ single-sequence cycle stays apart from it for speed (a batch of one, with ragged
 masks, decodes slower: docs/performance.md, continuous batching).
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -33,6 +34,7 @@ class Step:
     tree: Optional[dict] = None   # when traced: the verified tree (tokens, parents, depth)
     drafted: Optional[Tree] = field(default=None, repr=False)  # the verified tree itself
     tree_tokens: Optional[List[int]] = field(default=None, repr=False)  # its tokens, synced
+    choice: Optional[str] = None  # what a choosing drafter drafted (`Drafter.chosen`)
     # when asked for: each token's log-probability and top alternatives (`logprobs.py`)
     logprobs: Optional[List[TokenLogprob]] = field(default=None, repr=False)
 
@@ -164,6 +166,7 @@ class Engine:
 
     # ---------------------------------------------------------------- the cycle
     def cycle(self, state: State) -> Step:
+        start = time.perf_counter()
         with mx.stream(generation_stream):
             tree = self.draft(state)
             verified = self.verify(state, tree)
@@ -172,6 +175,11 @@ class Engine:
             # the device keeps the accepted rows while the caller handles the tokens
             # (mlx-lm's async_eval pattern): the next cycle starts from evaluated caches
             mx.async_eval(*self.updated_arrays(state))
+        # (timed at the cycle's one sync: what the drafter's choice cost; not when sampling,
+        # where choices follow only what is reproducible, so that a seed repeats its draws)
+        seconds = time.perf_counter() - start if self.sampling.temp == 0 else None
+        self.drafter.observe(state.drafter, step.tokens[:-1], seconds)
+        step.choice = self.drafter.chosen(state.drafter)
         return step
 
     def updated_arrays(self, state: State) -> list:
@@ -189,7 +197,8 @@ class Engine:
         mask = mx.concatenate([mx.ones((size, state.n), dtype=mx.bool_), tree.anc], axis=1)
         hidden, tapped = self.target(tree.tokens[None], state.caches,
                                      positions=state.n + tree.depth, mask=mask, taps=self.taps,
-                                     max_depth=self.drafter.max_depth)
+                                     max_depth=self.drafter.max_depth if tree.levels is None
+                                     else tree.levels)
         return Verified(hidden, tapped, self.target.lm_head(hidden[0]))   # logits [size, V]
 
     def accept(self, tree: Tree, verified: Verified, key=None):

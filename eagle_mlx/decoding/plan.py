@@ -119,8 +119,15 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
            "model must be the EagleModel that eagle_mlx.load returns.")
     lookup = getattr(model, "lookup", None)  # prompt lookup: alone, or merged with the head
     alone = lookup is not None and model.head is None
-    tree = None if alone else tree_plan(model, total_tokens, depth, draft_top_k, tree_choices,
-                                        s.speculate, batch)
+    explicit = any(x is not None for x in (total_tokens, depth, draft_top_k, tree_choices))
+    # adaptive (where there is something to draft with): plain, lookup or the head, chosen
+    # every cycle; under mx.distributed the ranks' timings differ, so the fixed choice
+    auto = s.speculate == "auto" and not explicit and \
+        getattr(model, "group", None) is None and \
+        (model.head is not None or getattr(model, "auto_lookup", None) is not None)
+    tree = None if alone or auto else tree_plan(
+        model, total_tokens, depth, draft_top_k, tree_choices,
+        None if s.speculate == "auto" else s.speculate, batch)
     speculate = tree is not None
     # where the benchmark found that the head's trees do not pay, lookup drafts alone
     alone = alone or (lookup is not None and not speculate)
@@ -138,7 +145,9 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
            f"the prompt has {len(ids)} tokens but the model's context is {max_context} tokens.")
     check(max(ids) < target.vocab_size and min(ids) >= 0,
            f"the prompt holds token ids outside the model's vocabulary of {target.vocab_size}.")
-    if alone and s.speculate is not False:
+    if auto:
+        drafter = model.adaptive_drafter()
+    elif alone and s.speculate is not False:
         drafter = LookupDrafter(lookup, target.tree_node_limit())
     elif not speculate:
         drafter = None

@@ -3,7 +3,7 @@
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
@@ -28,6 +28,10 @@ class GenerationResponse:
     accept_lengths: List[int] = field(default_factory=list, repr=False)
     # where asked for: one per token of `tokens`, each with the text it completed
     logprobs: Optional[List[TokenLogprob]] = field(default=None, repr=False)
+    # adaptive speculation: the passes so far by what they drafted (plain, lookup, head,
+    # merged); empty otherwise
+    passes: Dict[str, int] = field(default_factory=dict, repr=False)
+    choice: Optional[str] = None  # ... and what this pass drafted
 
 
 def responses(tokenizer, ids, steps, max_tokens,
@@ -39,9 +43,9 @@ def responses(tokenizer, ids, steps, max_tokens,
         mx.reset_peak_memory()
     start = time.perf_counter()
     prompt_time = gen_start = None
-    produced, forwards, accept_lengths = 0, 0, []
+    produced, forwards, accept_lengths, passes = 0, 0, [], {}
 
-    def response(text, tokens, accept_length, finish, scores=None):
+    def response(text, tokens, accept_length, finish, scores=None, choice=None):
         now = time.perf_counter()
         gen_time = now - gen_start
         return GenerationResponse(
@@ -54,8 +58,8 @@ def responses(tokenizer, ids, steps, max_tokens,
             mean_accept_length=(sum(a + 1 for a in accept_lengths) / len(accept_lengths)
                                 if accept_lengths else 0.0),
             target_forwards=forwards, peak_memory=mx.get_peak_memory() / 1e9,
-            accept_lengths=list(accept_lengths), logprobs=scores,
-        )
+            accept_lengths=list(accept_lengths), logprobs=scores, passes=dict(passes),
+            choice=choice)
 
     for step in steps:
         forwards += 1
@@ -79,6 +83,9 @@ def responses(tokenizer, ids, steps, max_tokens,
                 break
         if step.accept_length is not None:  # tau counts only the tokens that were output
             accept_lengths.append(min(step.accept_length, len(tokens) - 1))
+        if step.choice is not None:
+            kind = step.choice.split()[0]
+            passes[kind] = passes.get(kind, 0) + 1
         if finish is not None:
             detok.finalize()
         rest = detok.last_segment  # (with scores: what finalize let out, the last token's)
@@ -88,7 +95,7 @@ def responses(tokenizer, ids, steps, max_tokens,
             own = [i for i, t in enumerate(tokens) if t not in stop_ids]
             if rest and own:
                 scores[own[-1]].text += rest
-        yield response(text, tokens, step.accept_length, finish, scores)
+        yield response(text, tokens, step.accept_length, finish, scores, step.choice)
         if finish is not None:
             return
     # the context is full

@@ -5,7 +5,7 @@ server validate through here (each naming the parameter as its user knows it).""
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -76,7 +76,8 @@ def check_values(max_tokens=256, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=N
 class GenerationSettings:
     """What one generation runs with: sampling (as mlx-lm's `make_sampler` means it), the
     tree (None: the model's tuned or default tree), the context, whether to speculate
-    (None: as the model decides), and whether to report each token's log-probability with
+    ("auto": every cycle decides; True, False; None: the benchmark's saved choice, its tree
+    or plain decoding), and whether to report each token's log-probability with
     its `logprobs` top alternatives (None: not). `check()` validates every field, in this one place."""
 
     max_tokens: int = 256
@@ -90,7 +91,7 @@ class GenerationSettings:
     draft_top_k: Optional[int] = None
     tree_choices: Optional[Sequence[Sequence[int]]] = None
     max_context: Optional[int] = None
-    speculate: Optional[bool] = None
+    speculate: Union[None, bool, str] = "auto"
     logprobs: Optional[int] = None
 
     def check(self, name=lambda n: n) -> "GenerationSettings":
@@ -99,9 +100,10 @@ class GenerationSettings:
         check_values(self.max_tokens, self.temp, self.top_p, self.top_k, self.min_p, self.seed,
                      self.total_tokens, self.depth, self.draft_top_k, self.tree_choices,
                      self.max_context, name=name)
-        check(self.speculate is None or isinstance(self.speculate, bool),
-               f"{name('speculate')} must be None, True or False (got {self.speculate!r}).",
-               "speculate")
+        check(self.speculate is None or isinstance(self.speculate, bool) or
+              self.speculate == "auto",
+              f"{name('speculate')} must be \"auto\", True or False (got {self.speculate!r}).",
+              "speculate")
         lp = self.logprobs
         check(lp is None or (is_int(lp) and 0 <= lp <= MAX_TOP_LOGPROBS),
               f"{name('logprobs')} must be None (off) or the number of top alternatives to "

@@ -38,6 +38,7 @@ class Tree:
     anc: mx.array
     depth: mx.array
     scores: Optional[mx.array] = None
+    levels: Optional[int] = None  # a bound on its depth below the root (None: the drafter's)
 
 
 def tree_from_parents(tokens: mx.array, parents: mx.array, scores: mx.array,

@@ -1,0 +1,160 @@
+"""The machine's costs for adaptive speculation (`decoding/adaptive.py`), measured at first
+use for a (machine, target, head, dtype) and kept in the user's cache
+(`$EAGLE_MLX_CACHE`/costs, as the benchmark's tuning is); `benchmark --save-tuning` measures
+them again.
+
+A measurement runs real cycles of the engine, each option forced, after a short prefill: the
+cycle of a chain of n nodes with nothing drafted (n = 1 is a plain step) at a few n, then the
+head's options, whose cycles less the chain of as many nodes are what drafting adds. So the
+costs are timed the way the controller times every cycle afterwards (from the cycle's start
+to its one sync), and include the host's work.
+"""
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+from .errors import EagleError
+from .outputs import CACHE_ENV, atomic_file, user_cache
+
+COSTS_VERSION = 1
+VERIFY_POINTS = (1, 2, 4, 8, 16)      # chain nodes measured (interpolated between)
+MEASURE_PROMPT = 12                   # prompt tokens prefilled before measuring
+SLOW_CYCLE = 0.25                     # seconds: a cycle this slow is timed once, not twice
+LINEAR = 0.9                          # cost(n) >= LINEAR * n * cost(1): larger n cannot pay
+
+
+def costs_path(model) -> Path:
+    from .tuning import _key
+
+    key = dict(_key(model.head_path, model.target.path, model.target.dtype),
+               version=COSTS_VERSION)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return user_cache("costs") / f"{digest}.json"
+
+
+def read_costs(model):
+    """The cached costs of this model on this machine (None: none, or unreadable)."""
+    from .decoding.adaptive import Costs
+
+    f = costs_path(model)
+    try:
+        return Costs.fromdict(json.loads(f.read_text())["costs"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # absent or damaged: measured again
+
+
+def write_costs(model, costs) -> Path:
+    f = costs_path(model)
+    text = json.dumps({"costs": costs.asdict(), "measured": time.strftime("%Y-%m-%d %H:%M")},
+                      indent=2) + "\n"
+    try:
+        atomic_file(f, lambda tmp: tmp.write_text(text))
+    except EagleError as e:
+        raise EagleError(f"{str(e).rstrip('.')}; set {CACHE_ENV} to a writable folder.") from None
+    return f
+
+
+def head_options(model) -> List:
+    """The head's options under adaptive speculation: chains of a few lengths, a small tree
+    and the model's own tree (the benchmark's choice, or the default)."""
+    from .decoding.adaptive import HEAD_CHAINS, Option, head_chain
+
+    if model.head is None:
+        return []
+    options = [head_chain(d) for d in HEAD_CHAINS]
+    tree = model.tree_settings()
+    vocab = model.head.draft_vocab_size
+    for total, depth, k in ((6, 2, 2), (tree.total_tokens, tree.depth, tree.draft_top_k)):
+        o = Option("head", total, depth + 1, k)
+        if 1 < k <= vocab and total <= k + depth * k * k + 1 and o not in options:
+            options.append(o)
+    return options
+
+
+def measure(model, options: Sequence):
+    """Time cycles of each option on this machine (see the module docstring)."""
+    import mlx.core as mx
+
+    from .decoding.adaptive import AdaptiveDrafter, Costs, lookup_chain
+    from .decoding.engine import Engine, SamplingParams
+    from .decoding.lookup import LookupSettings
+
+    target = model.target
+    drafter = AdaptiveDrafter(Costs({1: 1.0}), target, model.head, options, LookupSettings(),
+                              node_limit=target.tree_node_limit())
+    engine = Engine(target, drafter, SamplingParams(), target.max_context)
+    state = engine.new_state()
+    V = target.vocab_size
+    prompt = [(7 + 7919 * i) % V for i in range(MEASURE_PROMPT)]
+    engine.prefill(state, prompt)
+
+    def cycle() -> Optional[float]:
+        if not engine.fits(state):
+            return None
+        start = time.perf_counter()
+        engine.cycle(state)
+        return time.perf_counter() - start
+
+    def timed(option) -> float:
+        """The cycle of `option`: the faster of two after one that warms its shapes up (a
+        head's first also catches it up); where cycles are slow, the first (then warming up
+        is a small part of it), and a second where it was slower than its neighbours say."""
+        state.drafter.forced = option
+        runs = [cycle()]
+        if runs[0] is not None and runs[0] < SLOW_CYCLE:
+            runs = [cycle(), cycle()]
+        elif runs[0] is not None and runs[0] > expected(option):
+            runs.append(cycle())
+        mx.clear_cache()
+        runs = [r for r in runs if r is not None]
+        if not runs:
+            raise EagleError("the model's context is too short to measure its costs in.")
+        return min(runs)
+
+    verify = {}
+
+    def expected(option) -> float:  # what the points measured so far say, with room for noise
+        if len(verify) < 2 or option.kind != "lookup":
+            return float("inf") if not verify else 1.3 * verify[1] * option.nodes
+        return 1.3 * Costs(verify).verify(option.nodes)
+
+    timed(lookup_chain(0))  # (everything's first run)
+    for n in VERIFY_POINTS:
+        if n - 1 > drafter.max_lookup:
+            break
+        verify[n] = timed(lookup_chain(n - 1))
+        if n > 1 and verify[n] >= LINEAR * n * verify[1]:
+            break  # (the cost grows as fast as the tokens: longer chains cannot pay)
+    low = 0.0  # (a larger chain never costs less: what noise says otherwise is evened out)
+    for n in sorted(verify):
+        verify[n] = low = max(verify[n], low)
+    costs = Costs(verify)
+    draft = {}
+    # the options whose verify alone leaves room to pay (an option yields at most its depth
+    # + 1 tokens): of the chains, the shortest and the longest (interpolated between)
+    can_pay = [o for o in drafter.head_options  # (those within a hybrid's node bound)
+               if costs.verify(o.nodes) < LINEAR * (o.depth + 1) * costs.verify(1)]
+    chains = [o for o in can_pay if o.chain]
+    for o in [o for o in can_pay if not o.chain] + chains[:1] + chains[1:][-1:]:
+        draft[o.label()] = max(timed(o) - costs.verify(o.nodes), 0.0)
+    state.drafter.forced = None
+    return Costs(verify, draft)
+
+
+def model_costs(model, refresh: bool = False,
+                say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)):
+    """The model's costs on this machine: from the cache, else measured now (a few seconds,
+    announced in one line) and cached. refresh: measure again."""
+    costs = None if refresh else read_costs(model)
+    if costs is None:
+        say("eagle_mlx: measuring this machine's speculation costs for this model "
+            f"(once; kept in {user_cache('costs')}) ...")
+        start = time.perf_counter()
+        costs = measure(model, head_options(model))
+        write_costs(model, costs)
+        say(f"eagle_mlx: measured in {time.perf_counter() - start:.1f} s.")
+    return costs

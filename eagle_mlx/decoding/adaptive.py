@@ -1,0 +1,486 @@
+"""Adaptive speculation (`speculate="auto"`): every cycle takes the option with the highest
+expected tokens per second, from the machine's measured costs and the sequence's own
+acceptance so far.
+
+The options: plain decoding (the root alone), a prompt-lookup chain of chosen length (where
+the context's end occurred before), the head's chains and trees at a few sizes, and the
+head's tree merged with the lookup branches. For each:
+
+* **expected tokens** of a cycle, 1 + sum over depths d of P(the first d drafted tokens are
+  accepted): for a head, from per-depth acceptance (`Survival`: the share of cycles that
+  reached depth d - 1 and accepted depth d, with a prior and a short memory, so a sequence
+  whose text changes is noticed within a few cycles); for lookup, from the per-token
+  acceptance after a match of m tokens (`LookupAcceptance`: the calibration as prior,
+  corrected by what this sequence accepted); merged, either accepting;
+* **seconds** of a cycle (`Costs`): measured once per machine, target and drafter
+  (`eagle_mlx.costs`), scaled by the drift the cycles' own timings show (context growth,
+  throttling, other processes).
+
+Exploration: a head option that does not pay is not drafted, so its estimate would never
+change; it is tried again from an exploration budget that grows by EXPLORE of every cycle's
+time, each try spending what it is expected to cost beyond the best option (the time its
+expected tokens would take at the best option's rate). A sequence where nothing pays loses
+at most about EXPLORE of its time; a try that shows the head pays makes it the choice at
+once. Lookup needs no tries: whether the context's end occurred before is known for free
+every cycle.
+
+The choice for a cycle depends only on what came before it, and every option's tree is
+deterministic, so the output is exactly the target's whatever is chosen (greedy: plain
+decoding's tokens; sampling: its distribution).
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .drafters import Drafter, EagleDrafter
+from .lookup import LookupDrafter, LookupSettings, _Trie, build_tree
+from .tree import Tree
+
+EXPLORE = 0.03         # the share of the time spent trying options that do not pay
+LOOKUP_CHAINS = (1, 2, 3, 4, 6, 8, 12, 16)   # lookup drafts this many tokens, at most
+HEAD_CHAINS = (1, 2, 3, 4, 6)                # head chains of this many drafted tokens
+DRIFT_RATE = 0.1       # weight of each cycle's timing in the drift of every option's cost
+RESIDUAL_RATE = 0.2    # ... and in the correction of its own option's
+
+
+@dataclass(frozen=True)
+class Option:
+    """What one cycle drafts. kind: "plain" (the root alone), "lookup" (a chain copied from
+    the context), "head" (the head's chain, top_k 1, or tree), "merged" (the head's tree and
+    the lookup branches in one). nodes: the tree's nodes with the root; depth: the drafted
+    levels below the root; top_k: the head's children per node."""
+
+    kind: str
+    nodes: int = 1
+    depth: int = 0
+    top_k: int = 1
+
+    @property
+    def chain(self) -> bool:
+        return self.top_k == 1
+
+    def label(self) -> str:
+        if self.kind == "plain":
+            return "plain"
+        if self.kind == "lookup":
+            return f"lookup {self.depth}"
+        shape = f"chain {self.depth}" if self.chain else \
+            f"tree {self.nodes}/{self.depth}/{self.top_k}"
+        return ("head " if self.kind == "head" else "merged ") + shape
+
+
+PLAIN = Option("plain")
+
+
+def head_chain(drafted: int) -> Option:
+    return Option("head", drafted + 1, drafted, 1)
+
+
+def lookup_chain(drafted: int) -> Option:
+    return Option("lookup", drafted + 1, drafted, 1)
+
+
+class Survival:
+    """P(drafted token d is accepted | tokens 1..d-1 were), per depth d, from counts that
+    fade by `memory` at every update, mixed with a prior of `weight` pseudo-cycles."""
+
+    def __init__(self, prior: Sequence[float], weight: float = 1.0, memory: float = 0.9):
+        self.prior, self.weight, self.memory = list(prior), weight, memory
+        self.hit = [0.0] * len(self.prior)
+        self.tried = [0.0] * len(self.prior)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """A cycle that drafted `drafted` levels accepted `accepted` of them."""
+        for d in range(len(self.prior)):
+            self.hit[d] *= self.memory
+            self.tried[d] *= self.memory
+        for d in range(min(drafted, accepted + 1, len(self.prior))):  # depth d + 1 tried
+            self.tried[d] += 1
+            self.hit[d] += d < accepted
+
+    def p(self, d: int) -> float:
+        """Acceptance of depth d + 1 given depth d (beyond the known depths: the last)."""
+        d = min(d, len(self.prior) - 1)
+        return (self.hit[d] + self.weight * self.prior[d]) / (self.tried[d] + self.weight)
+
+    def reach(self, depth: int) -> List[float]:
+        """P(the first d drafted tokens are all accepted), d = 1..depth."""
+        out, s = [], 1.0
+        for d in range(depth):
+            s *= self.p(d)
+            out.append(s)
+        return out
+
+
+class LookupAcceptance:
+    """Per-token acceptance of a lookup draft after a match of m tokens: the calibration
+    (`lookup.LookupSettings.p`) as the prior, corrected by this sequence's own counts."""
+
+    def __init__(self, prior, weight: float = 4.0, memory: float = 0.9, max_key: int = 8):
+        self.prior, self.weight, self.memory, self.max_key = prior, weight, memory, max_key
+        self.counts: Dict[int, List[float]] = {}
+
+    def _key(self, match: int) -> int:
+        return min(match, self.max_key)
+
+    def update(self, match: int, drafted: int, accepted: int) -> None:
+        c = self.counts.setdefault(self._key(match), [0.0, 0.0])
+        c[0] = c[0] * self.memory + accepted
+        c[1] = c[1] * self.memory + accepted + (accepted < drafted)
+
+    def p(self, match: int) -> float:
+        hit, tried = self.counts.get(self._key(match), (0.0, 0.0))
+        return (hit + self.weight * self.prior(match)) / (tried + self.weight)
+
+    def reach(self, match: int, depth: int) -> List[float]:
+        p = self.p(match)
+        return [p ** d for d in range(1, depth + 1)]
+
+
+class Costs:
+    """Seconds a cycle takes on this machine, by option: `verify` — the cycle of a chain of n
+    nodes with nothing to draft (n = 1: a plain step), measured at a few n and interpolated
+    (linear beyond the last); `draft` — what the head's proposal adds to the cycle of its
+    tree, by option label (chains between the measured ones: linear in the depth). The
+    cycles' own timings keep them current: `scale`, the drift of all (a longer context,
+    throttling, another process), and per option a residual, what its measurement missed."""
+
+    def __init__(self, verify: Dict[int, float], draft: Optional[Dict[str, float]] = None):
+        self.verify_points = sorted((int(n), float(s)) for n, s in verify.items())
+        self.draft_costs = dict(draft or {})
+        self.scale = 1.0
+        self.residual: Dict[str, float] = {}
+
+    def verify(self, nodes: int) -> float:
+        pts = self.verify_points
+        if len(pts) == 1:
+            return pts[0][1] * nodes / pts[0][0]
+        for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
+            if nodes <= n1:
+                break
+        t = (nodes - n0) / (n1 - n0)
+        return max(s0 + t * (s1 - s0), pts[0][1])
+
+    def draft(self, option: Option) -> float:
+        if option.kind in ("plain", "lookup"):
+            return 0.0
+        label = _head_part(option).label()
+        if label in self.draft_costs:
+            return self.draft_costs[label]
+        chains = sorted((int(k.split()[-1]), v) for k, v in self.draft_costs.items()
+                        if k.startswith("head chain "))
+        if not option.chain or not chains:  # (a tree not measured: as the chain of its depth)
+            return self.draft(head_chain(option.depth)) if chains else 0.0
+        if len(chains) == 1:
+            return chains[0][1] * option.depth / chains[0][0]
+        (d0, s0), (d1, s1) = chains[0], chains[-1]
+        return max(s0 + (option.depth - d0) * (s1 - s0) / (d1 - d0), 0.0)
+
+    def cycle(self, option: Option) -> float:
+        """Seconds of a cycle with this option, now."""
+        return self.scale * self.residual.get(option.label(), 1.0) * \
+            (self.verify(option.nodes) + self.draft(option))
+
+    def observe(self, option: Option, seconds: float) -> None:
+        """A cycle with `option` took `seconds`: the drift (all options alike) and the
+        option's own residual (what its measured cost got wrong) move toward what it shows."""
+        predicted = self.cycle(option)
+        if predicted <= 0 or seconds <= 0:
+            return
+        ratio = min(max(seconds / predicted, 0.1), 10.0)
+        self.scale *= ratio ** DRIFT_RATE
+        label = option.label()
+        self.residual[label] = self.residual.get(label, 1.0) * ratio ** RESIDUAL_RATE
+
+    def copy(self) -> "Costs":
+        return Costs(dict(self.verify_points), self.draft_costs)
+
+    def asdict(self) -> dict:
+        return {"verify": {str(n): s for n, s in self.verify_points},
+                "draft": dict(self.draft_costs)}
+
+    @classmethod
+    def fromdict(cls, d: dict) -> "Costs":
+        return cls({int(n): float(s) for n, s in d["verify"].items()},
+                   {str(k): float(v) for k, v in d.get("draft", {}).items()})
+
+
+@dataclass
+class Choice:
+    """A cycle's option, with what was expected of it (tokens, seconds)."""
+
+    option: Option
+    tokens: float
+    seconds: float
+    match: int = 0               # the lookup match its lookup part copies after
+    copied: List[int] = field(default_factory=list)  # the lookup tokens it may draft
+    probe: bool = False          # a try of a head option that did not pay
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Controller:
+    """One sequence's choices (see the module docstring). head_options: the head's options
+    (chains and trees; none without a head); lookup: whether lookup may draft; head_prior:
+    the prior per-token acceptance of the head's chain (and of its trees' best path); the
+    lookup prior `lookup_p(match)`."""
+
+    def __init__(self, costs: Costs, head_options: Sequence[Option] = (), lookup: bool = True,
+                 lookup_p=None, head_prior: float = 0.6, tree_prior: float = 0.75,
+                 max_lookup: int = max(LOOKUP_CHAINS)):
+        self.costs = costs
+        self.head_options = list(head_options)
+        self.lookup = lookup and lookup_p is not None
+        self.max_lookup = max_lookup
+        depth = max([o.depth for o in self.head_options] + [1])
+        self.chain = Survival([head_prior] * depth)
+        self.trees = {o: Survival([tree_prior] * o.depth) for o in self.head_options
+                      if not o.chain}
+        self.lookup_acc = LookupAcceptance(lookup_p or (lambda m: 0.0))
+        self.budget = 0.0  # seconds of exploration allowed now
+        self.counts: Dict[str, int] = {}  # cycles by option kind
+
+    # ---------------------------------------------------------------- estimates
+    def _head_reach(self, o: Option) -> List[float]:
+        return self._survival(o).reach(o.depth)
+
+    def _survival(self, o: Option) -> Survival:
+        return self.chain if o.chain else self.trees[_head_part(o)]
+
+    def expect(self, o: Option, match: int = 0, available: int = 0) -> float:
+        """Expected tokens of a cycle with option o (match, available: the lookup match
+        length and how many tokens it can copy)."""
+        if o.kind == "plain":
+            return 1.0
+        if o.kind == "lookup":
+            return 1.0 + sum(self.lookup_acc.reach(match, min(o.depth, available)))
+        head = self._head_reach(o)
+        if o.kind == "head":
+            return 1.0 + sum(head)
+        look = self.lookup_acc.reach(match, min(available, o.depth))
+        look += [0.0] * (len(head) - len(look))
+        return 1.0 + sum(1 - (1 - h) * (1 - lk) for h, lk in zip(head, look))
+
+    def candidates(self, match: int, available: int) -> List[Choice]:
+        out = [Choice(PLAIN, 1.0, self.costs.cycle(PLAIN))]
+        if self.lookup and available > 0:
+            for n in LOOKUP_CHAINS:
+                if n > self.max_lookup:
+                    break
+                o = lookup_chain(min(n, available))
+                out.append(Choice(o, self.expect(o, match, available), self.costs.cycle(o),
+                                  match))
+                if n >= available:
+                    break
+        for o in self.head_options:
+            out.append(Choice(o, self.expect(o), self.costs.cycle(o)))
+            if self.lookup and available > 0 and not o.chain:
+                m = Option("merged", o.nodes, o.depth, o.top_k)
+                # (the lookup branch takes some of the tree's nodes: costed as the tree)
+                out.append(Choice(m, self.expect(m, match, available), self.costs.cycle(o),
+                                  match))
+        return out
+
+    # ---------------------------------------------------------------- choosing
+    def choose(self, match: int = 0, copied: Sequence[int] = ()) -> Choice:
+        """The option for the next cycle (match, copied: the lookup match at the context's
+        end and the tokens that followed it before; none: no match): the highest expected
+        tokens per second, or a try of the head's best option where the budget allows."""
+        cands = self.candidates(match, len(copied))
+        best = max(cands, key=lambda c: c.rate)
+        if best.option.kind in ("plain", "lookup") and self.head_options:
+            heads = [c for c in cands if c.option.kind == "head"]
+            trial = max(heads, key=lambda c: c.rate)
+            extra = trial.seconds - trial.tokens / best.rate  # what it costs beyond the best
+            self.budget = min(self.budget, 2 * max(extra, 0.0))  # (no bursts of tries)
+            if extra <= self.budget:
+                self.budget -= max(extra, 0.0)
+                best = trial
+                best.probe = True
+        if best.option.kind in ("lookup", "merged"):
+            best.copied = list(copied)
+        return best
+
+    def update(self, choice: Choice, accepted: Sequence[int],
+               seconds: Optional[float] = None) -> None:
+        """What the cycle of `choice` accepted (the drafted tokens, in order), and how long
+        it took."""
+        o, n = choice.option, len(accepted)
+        self.counts[o.kind] = self.counts.get(o.kind, 0) + 1
+        if seconds is not None:
+            self.costs.observe(o, seconds)
+        spent = choice.seconds if seconds is None else seconds
+        self.budget += EXPLORE * spent
+        copied = choice.copied[: o.depth]
+        from_lookup = 0  # the accepted tokens the lookup draft holds too
+        while from_lookup < min(n, len(copied)) and copied[from_lookup] == accepted[from_lookup]:
+            from_lookup += 1
+        if copied:
+            self.lookup_acc.update(choice.match, len(copied), from_lookup)
+        if o.kind == "head" or (o.kind == "merged" and from_lookup == 0):
+            # (where the lookup branch carried the path, the head's own part is unknown)
+            self._survival(o).update(o.depth, n)
+
+
+# ---------------------------------------------------------------------------- the drafter
+class AdaptiveState:
+    """One sequence's state under the adaptive drafter: the head's (None without a head),
+    lookup's automaton, the positions the head has not caught up on yet (their features and
+    tokens, kept through the cycles that did not draft with it), the controller and its
+    latest choice."""
+
+    def __init__(self, head_state, lookup_state, controller: Controller):
+        self.head, self.lookup, self.controller = head_state, lookup_state, controller
+        self.feats: List = []
+        self.tokens: List = []
+        self.choice: Optional[Choice] = None
+        self.forced: Optional[Option] = None  # every cycle drafts this (measuring its cost)
+
+    def pending(self) -> int:
+        return sum(int(t.shape[0]) for t in self.tokens)
+
+
+class AdaptiveDrafter(Drafter):
+    """Speculation that chooses every cycle (see the module docstring): plain, lookup, the
+    head's chains and trees, or the head merged with lookup."""
+
+    def __init__(self, costs: Costs, target=None, head=None,
+                 head_options: Sequence[Option] = (), lookup: Optional[LookupSettings] = None,
+                 head_prior: Optional[float] = None, node_limit: Optional[int] = None):
+        self.costs, self.target, self.head = costs, target, head
+        limit = node_limit or MAX_NODES
+        self.head_options = [o for o in head_options if o.nodes <= limit]
+        self.lookup_settings = lookup
+        self.lookup = LookupDrafter(lookup) if lookup is not None else None
+        self.max_lookup = min(max(LOOKUP_CHAINS), limit - 1)
+        self.drafters = {o: EagleDrafter(head, target, o.nodes, o.depth - 1, o.top_k)
+                         for o in self.head_options}
+        self.features = head.feature_taps(target) if head is not None else None
+        self.max_depth = max([o.depth for o in self.head_options] +
+                             [self.max_lookup if lookup is not None else 0, 1])
+        self.head_prior = head_prior
+
+    @property
+    def owner(self):
+        return (None if self.head is None else self.head, LookupDrafter)
+
+    def new_state(self):
+        prior = {} if self.head_prior is None else {"head_prior": self.head_prior,
+                                                    "tree_prior": min(0.95,
+                                                                      self.head_prior + 0.15)}
+        # (each sequence follows the drift it sees itself, from the measured costs)
+        controller = Controller(self.costs.copy(), self.head_options, self.lookup is not None,
+                                None if self.lookup is None else self.lookup.settings.p,
+                                max_lookup=self.max_lookup, **prior)
+        return AdaptiveState(None if self.head is None else self.head.make_cache(),
+                             LookupDrafter().new_state(), controller)
+
+    def offset(self, state) -> int:
+        if self.head is None:
+            return len(state.lookup.automaton.tokens)
+        return state.head.offset + state.pending()
+
+    def truncate(self, state, length: int) -> None:
+        LookupDrafter().truncate(state.lookup, length)
+        if self.head is None:
+            return
+        seen = state.head.offset
+        if length >= seen:  # cut the pending positions back
+            keep, feats, tokens = length - seen, [], []
+            for f, t in zip(state.feats, state.tokens):
+                n = min(int(t.shape[0]), keep)
+                if n > 0:
+                    feats.append(f[:n])
+                    tokens.append(t[:n])
+                keep -= n
+            state.feats, state.tokens = feats, tokens
+        else:
+            state.head.truncate(length)
+            state.feats, state.tokens = [], []
+
+    def head_caches(self, state) -> Optional[list]:
+        return None if self.head is None else self.head.cache_layers(state.head)
+
+    def propose(self, state, features, tokens, root) -> Tree:
+        _catch_up(state.lookup, tokens)
+        match, copied = 0, []
+        if self.lookup is not None:
+            s = self.lookup.settings
+            found = state.lookup.automaton.continuations(s.min_match, self.max_lookup, 1)
+            if found:
+                match, copied = found[0]
+        if state.forced is None:
+            choice = state.controller.choose(match, copied)
+        else:  # (a lookup chain without a match drafts the root's token again)
+            o = state.forced
+            copied = (copied + [int(root.item())] * o.depth)[: o.depth]
+            choice = Choice(o, 0.0, 0.0, match, copied)
+        state.choice = choice
+        o = choice.option
+        if o.kind in ("head", "merged"):
+            feats = state.feats + [features]
+            toks = state.tokens + [tokens]
+            state.feats, state.tokens = [], []
+            feats = feats[0] if len(feats) == 1 else mx.concatenate(feats)
+            toks = toks[0] if len(toks) == 1 else mx.concatenate(toks)
+            tree = self.drafters[_head_part(o)].propose(state.head, feats, toks, root)
+            if o.kind == "merged":
+                tree = _merge(tree, choice.match, copied, self.lookup.settings.p, o.nodes)
+            tree.levels = max(o.depth, len(copied) if o.kind == "merged" else 0)
+            return tree
+        if self.head is not None:  # the head catches up when it drafts again
+            state.feats.append(features)
+            state.tokens.append(tokens)
+        r = int(root.item())
+        if o.kind == "plain":
+            return _with_levels(build_tree(r, [], 0), 0)
+        chain = copied[: o.depth]
+        return _with_levels(build_tree(r, [(t, i, 0.0) for i, t in enumerate(chain)],
+                                       len(chain)), len(chain))
+
+    def observe(self, state, accepted: List[int], seconds: Optional[float]) -> None:
+        if state.choice is not None and state.forced is None:
+            state.controller.update(state.choice, accepted, seconds)
+
+    def chosen(self, state) -> Optional[str]:
+        return None if state.choice is None else state.choice.option.label()
+
+
+MAX_NODES = 1024
+
+
+def _head_part(o: Option) -> Option:
+    return Option("head", o.nodes, o.depth, o.top_k)
+
+
+def _with_levels(tree: Tree, levels: int) -> Tree:
+    tree.levels = levels
+    return tree
+
+
+def _catch_up(lookup_state, tokens) -> None:
+    for t in tokens.tolist():
+        lookup_state.automaton.append(int(t))
+
+
+def _merge(drafted: Tree, match: int, copied: List[int], p, nodes: int) -> Tree:
+    """The head's tree and the lookup chain as one tree of `nodes` nodes (as
+    `lookup.MergedDrafter` merges them)."""
+    mx.eval(drafted.tokens, drafted.parents, drafted.scores)  # SYNC: to the host to merge
+    toks, parents = drafted.tokens.tolist(), drafted.parents.tolist()
+    scores = np.array(drafted.scores.astype(mx.float32)).tolist()
+    trie = _Trie()
+    paths = [()]
+    for i in range(1, len(toks)):
+        paths.append(paths[parents[i]] + (toks[i],))
+        trie.add(paths[i], math.exp(min(scores[i], 0.0)), "head")
+    q = p(match)
+    for d in range(1, len(copied) + 1):
+        trie.add(tuple(copied[:d]), q ** d, "lookup")
+    return trie.tree(toks[0], nodes)
