@@ -3,10 +3,8 @@ acceptances against the ones worked out by hand, its exploration's bound, and th
 under switching — greedy output equal to plain decoding, sampling with the target's
 exactly enumerated distribution."""
 
-import itertools
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import eagle_mlx
