@@ -411,7 +411,7 @@ def check_args(args):
 def auto_report(model, tokenizer, encoded, args) -> dict:
     """Plain decoding and adaptive speculation, interleaved on every prompt at every
     temperature (the machine's drift hits both alike); per dataset the tokens/s of each
-    (total tokens over total time), their ratio, tau, what auto chose, and whether its text
+    (the tokens after the prefill's over their time, summed over the prompts), their ratio, tau, what auto chose, and whether its text
     is plain decoding's (greedy)."""
     from .generation import stream_generate
 
@@ -423,10 +423,11 @@ def auto_report(model, tokenizer, encoded, args) -> dict:
         for i, (src, ids) in enumerate(encoded):
             row = {"source": src, "prompt_tokens": len(ids)}
             for name, speculate in (("plain", False), ("auto", "auto")):
-                start, tokens, r = time.perf_counter(), [], None
+                start, tokens, r = None, [], None  # (timed from the prefill's token on)
                 for r in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,
                                          temp=temp, seed=args.seed + i, speculate=speculate):
                     tokens += r.tokens
+                    start = start or time.perf_counter()
                 row[name] = {"tokens": tokens, "seconds": time.perf_counter() - start,
                              "generation_tps": r.generation_tps,
                              "target_forwards": r.target_forwards, "passes": r.passes}
@@ -434,15 +435,15 @@ def auto_report(model, tokenizer, encoded, args) -> dict:
             row["identical"] = a["tokens"] == p["tokens"] if temp == 0 else None
             rows.append(row)
             print(f"[{src} {i + 1}/{len(encoded)} temp {temp}] plain "
-                  f"{len(p['tokens']) / p['seconds']:.2f} tok/s, auto "
-                  f"{len(a['tokens']) / a['seconds']:.2f} tok/s, tau "
+                  f"{(len(p['tokens']) - 1) / p['seconds']:.2f} tok/s, auto "
+                  f"{(len(a['tokens']) - 1) / a['seconds']:.2f} tok/s, tau "
                   f"{len(a['tokens']) / max(a['target_forwards'], 1):.2f}, {a['passes']}",
                   file=sys.stderr)
         summary = {}
         for src in dict.fromkeys(r["source"] for r in rows):
             mine = [r for r in rows if r["source"] == src]
-            tps = {m: sum(len(r[m]["tokens"]) for r in mine) / sum(r[m]["seconds"] for r in mine)
-                   for m in ("plain", "auto")}
+            tps = {m: sum(len(r[m]["tokens"]) - 1 for r in mine) /
+                   sum(r[m]["seconds"] for r in mine) for m in ("plain", "auto")}
             passes = {}
             for r in mine:
                 for k, n in r["auto"]["passes"].items():
