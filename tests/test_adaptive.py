@@ -233,3 +233,24 @@ def test_a_second_turn_under_auto_reuses_the_cache_and_equals_a_fresh_run(pair):
     fresh = [t for r in eagle_mlx.stream_generate(model, tok, second, max_tokens=20,
                                                   speculate=False) for t in r.tokens]
     assert b == fresh
+
+
+def test_costs_are_measured_once_and_kept(pair, tmp_path, monkeypatch):
+    """The first use measures (one line said), later ones read the cache silently; a damaged
+    cache entry is measured again; every option's cost is positive and a larger chain never
+    costs less."""
+    from eagle_mlx.costs import costs_path, model_costs
+
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path))
+    target, head = pair
+    model, _ = eagle_mlx.load(str(target), eagle=str(head))
+    said = []
+    costs = model_costs(model, say=said.append)
+    assert len(said) == 2 and "measuring" in said[0] and costs_path(model).is_file()
+    verify = [s for _, s in costs.verify_points]
+    assert verify == sorted(verify) and verify[0] > 0
+    again = model_costs(model, say=said.append)
+    assert len(said) == 2 and again.asdict() == costs.asdict()
+    costs_path(model).write_text("{not json")
+    model_costs(model, say=said.append)
+    assert len(said) == 4

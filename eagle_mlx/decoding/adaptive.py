@@ -43,8 +43,9 @@ from .tree import Tree
 EXPLORE = 0.03         # the share of the time spent trying options that do not pay
 LOOKUP_CHAINS = (1, 2, 3, 4, 6, 8, 12, 16)   # lookup drafts this many tokens, at most
 HEAD_CHAINS = (1, 2, 3, 4, 6)                # head chains of this many drafted tokens
-DRIFT_RATE = 0.1       # weight of each cycle's timing in the drift of every option's cost
-RESIDUAL_RATE = 0.2    # ... and in the correction of its own option's
+DRIFT_RATE = 0.2       # weight of a plain pass's timing in the drift of every option's cost
+NODE_RATE = 0.3        # ... of a lookup chain's in the cost of a node beyond the curve
+RESIDUAL_RATE = 0.3    # ... of a head option's in the correction of its own
 
 
 @dataclass(frozen=True)
@@ -146,13 +147,16 @@ class Costs:
     nodes with nothing to draft (n = 1: a plain step), measured at a few n and interpolated
     (linear beyond the last); `draft` — what the head's proposal adds to the cycle of its
     tree, by option label (chains between the measured ones: linear in the depth). The
-    cycles' own timings keep them current: `scale`, the drift of all (a longer context,
-    throttling, another process), and per option a residual, what its measurement missed."""
+    cycles' own timings keep them current: `scale`, the drift of all (throttling, another
+    process), `per_node`, what a node costs beyond the measured curve (a longer context makes
+    a tree's nodes dearer than the measurement's short one did), and per head option a
+    residual, what its measurement missed."""
 
     def __init__(self, verify: Dict[int, float], draft: Optional[Dict[str, float]] = None):
         self.verify_points = sorted((int(n), float(s)) for n, s in verify.items())
         self.draft_costs = dict(draft or {})
         self.scale = 1.0
+        self.per_node = 0.0
         self.residual: Dict[str, float] = {}
 
     def verify(self, nodes: int) -> float:
@@ -182,19 +186,26 @@ class Costs:
 
     def cycle(self, option: Option) -> float:
         """Seconds of a cycle with this option, now."""
-        return self.scale * self.residual.get(option.label(), 1.0) * \
-            (self.verify(option.nodes) + self.draft(option))
+        base = self.scale * (self.verify(option.nodes) + self.draft(option)) + \
+            self.per_node * (option.nodes - 1)
+        base = max(base, 0.5 * self.scale * self.verify(1))
+        return base * self.residual.get(option.label(), 1.0)
 
     def observe(self, option: Option, seconds: float) -> None:
-        """A cycle with `option` took `seconds`: the drift (all options alike) and the
-        option's own residual (what its measured cost got wrong) move toward what it shows."""
+        """A cycle with `option` took `seconds`: a plain pass moves the drift of all options, a
+        lookup chain what each node costs beyond the measured curve (which a longer context
+        raises), a head's option its own residual."""
         predicted = self.cycle(option)
         if predicted <= 0 or seconds <= 0:
             return
         ratio = min(max(seconds / predicted, 0.1), 10.0)
-        self.scale *= ratio ** DRIFT_RATE
-        label = option.label()
-        self.residual[label] = self.residual.get(label, 1.0) * ratio ** RESIDUAL_RATE
+        if option.kind == "plain":
+            self.scale *= ratio ** DRIFT_RATE
+        elif option.kind == "lookup":
+            self.per_node += NODE_RATE * (seconds - predicted) / (option.nodes - 1)
+        else:
+            label = option.label()
+            self.residual[label] = self.residual.get(label, 1.0) * ratio ** RESIDUAL_RATE
 
     def copy(self) -> "Costs":
         return Costs(dict(self.verify_points), self.draft_costs)
@@ -348,7 +359,10 @@ class AdaptiveState:
 
 class AdaptiveDrafter(Drafter):
     """Speculation that chooses every cycle (see the module docstring): plain, lookup, the
-    head's chains and trees, or the head merged with lookup."""
+    head's chains and trees, or the head merged with lookup. It chooses from what every
+    cycle before accepted, so the engine may draft ahead (`Engine.ahead`)."""
+
+    drafts_ahead = True
 
     def __init__(self, costs: Costs, target=None, head=None,
                  head_options: Sequence[Option] = (), lookup: Optional[LookupSettings] = None,

@@ -45,6 +45,7 @@ class Drafter:
 
     features: Optional[Tuple[int, ...]] = None
     max_depth: int = 1
+    drafts_ahead: bool = False  # the engine may draft its next tree before the caller's turn
 
     @property
     def owner(self):

@@ -79,6 +79,7 @@ class State:
     root: Optional[mx.array] = None     # the last sampled token: node 0 of the next tree
     history: List[int] = field(default_factory=list)  # every token fed or to feed, root last
     keys: Optional[KeyChain] = None     # the sequence's random keys (None: MLX's global state)
+    ahead: Optional[tuple] = None       # the next cycle's (tree, verified or None), drafted ahead
 
     def key(self):
         return None if self.keys is None else self.keys.next()
@@ -93,11 +94,14 @@ class Verified:
 
 class Engine:
     def __init__(self, target, drafter, sampling: SamplingParams, max_context: int,
-                 logprobs: Optional[int] = None):
+                 logprobs: Optional[int] = None, pipeline: bool = False):
         """logprobs: report every token's log-probability with that many top alternatives
-        (None: not)."""
+        (None: not). pipeline: a drafter that `drafts_ahead` drafts the next cycle (and
+        verifies it, where it is a plain pass) before the caller gets this one's tokens —
+        the caches then hold one position more than `State.n` between cycles, so only where
+        no prompt cache keeps them."""
         self.target, self.drafter, self.sampling = target, drafter, sampling
-        self.max_context, self.logprobs = max_context, logprobs
+        self.max_context, self.logprobs, self.pipeline = max_context, logprobs, pipeline
         self.root_logprobs = None  # the prefill's token's, where asked for
         self.taps = tuple(drafter.features or ())
         # recorder(position, hidden [n, H], tapped [n, H] per tap): the target's features of
@@ -168,19 +172,41 @@ class Engine:
     def cycle(self, state: State) -> Step:
         start = time.perf_counter()
         with mx.stream(generation_stream):
-            tree = self.draft(state)
-            verified = self.verify(state, tree)
+            if state.ahead is not None:  # drafted (and for a plain pass verified) ahead
+                tree, verified = state.ahead
+                state.ahead = None
+                verified = verified or self.verify(state, tree)
+            else:
+                tree = self.draft(state)
+                verified = self.verify(state, tree)
             accepted = self.accept(tree, verified, state.key())
             step = self.update(state, tree, verified, accepted)
+            # (timed at the cycle's one sync: what the drafter's choice cost; not when
+            # sampling, where choices follow only what is reproducible, so a seed repeats)
+            seconds = time.perf_counter() - start if self.sampling.temp == 0 else None
+            self.drafter.observe(state.drafter, step.tokens[:-1], seconds)
+            step.choice = self.drafter.chosen(state.drafter)
+            if self.pipeline and self.drafter.drafts_ahead and self.fits(state):
+                self.ahead(state)
             # the device keeps the accepted rows while the caller handles the tokens
             # (mlx-lm's async_eval pattern): the next cycle starts from evaluated caches
             mx.async_eval(*self.updated_arrays(state))
-        # (timed at the cycle's one sync: what the drafter's choice cost; not when sampling,
-        # where choices follow only what is reproducible, so that a seed repeats its draws)
-        seconds = time.perf_counter() - start if self.sampling.temp == 0 else None
-        self.drafter.observe(state.drafter, step.tokens[:-1], seconds)
-        step.choice = self.drafter.chosen(state.drafter)
         return step
+
+    def ahead(self, state: State) -> None:
+        """The next cycle's draft now, evaluated while the caller handles this cycle's
+        tokens; where it is the root alone (a plain pass), its verify too, as mlx-lm's
+        plain decoding computes each step before handing out the last. The drafter has
+        consumed the pending features and tokens."""
+        tree = self.draft(state)
+        state.feats = state.tokens = None
+        if tree.tokens.shape[0] == 1:
+            verified = self.verify(state, tree)
+            mx.async_eval(verified.logits, verified.hidden, *verified.tapped)
+            state.ahead = (tree, verified)
+        else:
+            mx.async_eval(tree.tokens, tree.anc, tree.depth)
+            state.ahead = (tree, None)
 
     def updated_arrays(self, state: State) -> list:
         """What the update leaves to evaluate: the kept features and every layer's cache."""

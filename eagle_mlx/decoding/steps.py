@@ -150,7 +150,9 @@ def speculative_steps(target, drafter, prompt: Sequence[int], sampling: Sampling
     trace: attach the verified tree to every Step. timer: profile the phases of each cycle
     (`profiling.profiled_cycle`: a sync after every phase). prompt_cache: reuse (and leave
     behind) the caches of an earlier call."""
-    engine = Engine(target, drafter, sampling, max_context or target.max_context, logprobs)
+    # (drafting ahead leaves the caches a position past the state: not where they are kept)
+    engine = Engine(target, drafter, sampling, max_context or target.max_context, logprobs,
+                    pipeline=prompt_cache is None and timer is None)
     pc = prompt_cache if prompt_cache is not None else PromptCache()
     start = pc.reuse(target, drafter, prompt)
     state = pc.state()
