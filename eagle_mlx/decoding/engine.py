@@ -79,7 +79,8 @@ class State:
     root: Optional[mx.array] = None     # the last sampled token: node 0 of the next tree
     history: List[int] = field(default_factory=list)  # every token fed or to feed, root last
     keys: Optional[KeyChain] = None     # the sequence's random keys (None: MLX's global state)
-    ahead: Optional[tuple] = None       # the next cycle's (tree, verified or None), drafted ahead
+    ahead: Optional[tuple] = None       # the next cycle's (tree, verified or None, when it
+    #                                     began), drafted ahead
 
     def key(self):
         return None if self.keys is None else self.keys.next()
@@ -173,7 +174,7 @@ class Engine:
         start = time.perf_counter()
         with mx.stream(generation_stream):
             if state.ahead is not None:  # drafted (and for a plain pass verified) ahead
-                tree, verified = state.ahead
+                tree, verified, start = state.ahead  # (timed from then)
                 state.ahead = None
                 verified = verified or self.verify(state, tree)
             else:
@@ -198,15 +199,16 @@ class Engine:
         tokens; where it is the root alone (a plain pass), its verify too, as mlx-lm's
         plain decoding computes each step before handing out the last. The drafter has
         consumed the pending features and tokens."""
+        start = time.perf_counter()
         tree = self.draft(state)
         state.feats = state.tokens = None
         if tree.tokens.shape[0] == 1:
             verified = self.verify(state, tree)
             mx.async_eval(verified.logits, verified.hidden, *verified.tapped)
-            state.ahead = (tree, verified)
+            state.ahead = (tree, verified, start)
         else:
             mx.async_eval(tree.tokens, tree.anc, tree.depth)
-            state.ahead = (tree, None)
+            state.ahead = (tree, None, start)
 
     def updated_arrays(self, state: State) -> list:
         """What the update leaves to evaluate: the kept features and every layer's cache."""
@@ -220,6 +222,9 @@ class Engine:
     def verify(self, state: State, tree: Tree) -> Verified:
         """2. one target forward over the whole tree, after the n cached positions."""
         size = tree.tokens.shape[0]
+        if size == 1 and not self.target.node_state_bytes:  # a plain pass: as mlx-lm's step
+            hidden, tapped = self.target(tree.tokens[None], state.caches, taps=self.taps)
+            return Verified(hidden, tapped, self.target.lm_head(hidden[0]))
         mask = mx.concatenate([mx.ones((size, state.n), dtype=mx.bool_), tree.anc], axis=1)
         hidden, tapped = self.target(tree.tokens[None], state.caches,
                                      positions=state.n + tree.depth, mask=mask, taps=self.taps,
@@ -242,7 +247,7 @@ class Engine:
         # SYNC (once per cycle): which nodes were accepted, and the next root token
         mx.eval(path_mask, tree.tokens, bonus)
         path = np.flatnonzero(np.array(path_mask)).tolist()  # root first: parents precede
-        self.target.accept(state.caches, state.n, state.n + mx.array(path))
+        self.target.accept(state.caches, state.n, [state.n + i for i in path])
         return self.advance(state, tree, verified, path, bonus.item())
 
     def advance(self, state: State, tree: Tree, verified: Verified, path: List[int],

@@ -30,8 +30,14 @@ class TreeKVCache(KVCache):
 
     base = 0  # the position of slot 0 (a full cache holds every position)
 
-    def keep(self, start: int, rows: mx.array) -> None:
-        """Move slots `rows` (absolute, each >= start) to start.. and drop the rest."""
+    def keep(self, start: int, rows) -> None:
+        """Move slots `rows` (absolute, each >= start; a list or an array) to start.. and
+        drop the rest."""
+        if isinstance(rows, list):
+            if rows == list(range(start, start + len(rows))):  # (already in place: a plain
+                self.offset = start + len(rows)                 # pass, or a whole chain)
+                return
+            rows = mx.array(rows)
         n = rows.shape[0]
         self.keys[..., start : start + n, :] = mx.take(self.keys, rows, axis=2)
         self.values[..., start : start + n, :] = mx.take(self.values, rows, axis=2)
@@ -120,9 +126,9 @@ class WindowKVCache(TreeKVCache):
             return None  # every held position is within the window
         return create_causal_mask(n, self.offset - base, window_size=self.window)
 
-    def keep(self, start: int, rows: mx.array) -> None:
+    def keep(self, start: int, rows) -> None:
         b = self.base
-        super().keep(start - b, rows - b)
+        super().keep(start - b, [r - b for r in rows] if isinstance(rows, list) else rows - b)
         self.offset += b
 
     def reusable(self, length: int) -> bool:
@@ -164,8 +170,9 @@ class RecurrentCache(ArraysCache):
             return self[0][0]
         return mx.zeros((self.conv_rows, width), dtype)
 
-    def keep(self, start: int, rows: mx.array) -> None:
+    def keep(self, start: int, rows) -> None:
         states, projected = self.pending
+        rows = mx.array(rows) if isinstance(rows, list) else rows
         path = rows - start
         self[1] = states[path[-1:]]
         window = mx.concatenate([self.window(projected.shape[-1], projected.dtype),

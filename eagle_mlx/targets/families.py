@@ -68,7 +68,7 @@ class Mechanism:
     """What a layer's cache does after a verify and when a prompt cache is cut back (each
     cache class knows how: `keep`, `reusable`, `truncate`)."""
 
-    def accept(self, cache, start: int, rows: mx.array) -> None:
+    def accept(self, cache, start: int, rows) -> None:
         cache.keep(start, rows)
 
     def reusable(self, cache, length: int) -> bool:

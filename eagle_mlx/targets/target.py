@@ -127,9 +127,9 @@ class Target:
         """One cache per layer that keeps one (KV-shared layers read another's)."""
         return [m.make_cache() for m in self.mechanisms if m.source is None]
 
-    def accept(self, caches, start: int, rows: mx.array) -> None:
+    def accept(self, caches, start: int, rows) -> None:
         """After a verify pass: every layer keeps the accepted tree rows `rows` (absolute
-        positions, root first) at start.."""
+        positions, root first; a list, or an array) at start.."""
         for m, c in zip(self.mechanisms, caches):
             m.accept(c, start, rows)
 
