@@ -125,14 +125,14 @@ def rotating_drafter(model):
     costs = Costs({1: 1.0, 16: 1.0}, {"head chain 1": 0.0})
     drafter = AdaptiveDrafter(costs, model.target, model.head, CHAINS + [Option("head", 6, 3, 2)],
                               LookupSettings(min_match=1))
-    make = drafter.new_state
+    make = drafter._controller
 
-    def new_state():
-        s = make()
-        s.controller.__class__ = Rotating
-        return s
+    def controller():
+        c = make()
+        c.__class__ = Rotating
+        return c
 
-    drafter.new_state = new_state
+    drafter._controller = controller
     return drafter
 
 

@@ -384,16 +384,23 @@ class AdaptiveDrafter(Drafter):
     def owner(self):
         return (None if self.head is None else self.head, LookupDrafter)
 
-    def new_state(self):
+    def _controller(self) -> Controller:
         prior = {} if self.head_prior is None else {"head_prior": self.head_prior,
                                                     "tree_prior": min(0.95,
                                                                       self.head_prior + 0.15)}
-        # (each sequence follows the drift it sees itself, from the measured costs)
-        controller = Controller(self.costs.copy(), self.head_options, self.lookup is not None,
-                                None if self.lookup is None else self.lookup.settings.p,
-                                max_lookup=self.max_lookup, **prior)
+        # (each generation follows the drift it sees itself, from the measured costs)
+        return Controller(self.costs.copy(), self.head_options, self.lookup is not None,
+                          None if self.lookup is None else self.lookup.settings.p,
+                          max_lookup=self.max_lookup, **prior)
+
+    def new_state(self):
         return AdaptiveState(None if self.head is None else self.head.make_cache(),
-                             LookupDrafter().new_state(), controller)
+                             LookupDrafter().new_state(), self._controller())
+
+    def begin(self, state) -> None:
+        """A generation starts (perhaps on a prompt cache's state): its choices start afresh,
+        as they would alone."""
+        state.controller, state.choice = self._controller(), None
 
     def offset(self, state) -> int:
         if self.head is None:

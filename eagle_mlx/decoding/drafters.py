@@ -67,6 +67,9 @@ class Drafter:
         token is the root). Returns the tree to verify, root first."""
         raise NotImplementedError
 
+    def begin(self, state) -> None:
+        """A generation starts on `state` (fresh, or a prompt cache's). Nothing here."""
+
     def observe(self, state, accepted: List[int], seconds: Optional[float]) -> None:
         """After a cycle: the drafted tokens the target accepted, in order, and the seconds
         the cycle took (None where it was not timed alone). Nothing here."""

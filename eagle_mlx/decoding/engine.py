@@ -135,6 +135,7 @@ class Engine:
         """`prefill` one chunk of `chunk` tokens at a time: yields after each chunk but the
         last (the caller may run other work between them)."""
         target = self.target
+        self.drafter.begin(state.drafter)
         prompt_ids = mx.array(list(prompt))
         chunks = [] if state.feats is None else [state.feats]
         with mx.stream(generation_stream):
