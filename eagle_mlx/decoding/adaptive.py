@@ -328,6 +328,8 @@ class Controller:
             self.costs.observe(o, seconds)
         spent = choice.seconds if seconds is None else seconds
         self.budget += EXPLORE * spent
+        if choice.probe and seconds is not None:  # a try that cost more than expected (a
+            self.budget -= max(seconds - choice.seconds, 0.0)  # long catch-up) pays it too
         copied = choice.copied[: o.depth]
         from_lookup = 0  # the accepted tokens the lookup draft holds too
         while from_lookup < min(n, len(copied)) and copied[from_lookup] == accepted[from_lookup]:
