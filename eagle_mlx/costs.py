@@ -10,7 +10,6 @@ costs are timed the way the controller times every cycle afterwards (from the cy
 to its one sync), and include the host's work.
 """
 
-import hashlib
 import json
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 from .errors import EagleError
-from .outputs import CACHE_ENV, atomic_file, user_cache
+from .outputs import user_cache
 
 COSTS_VERSION = 1
 VERIFY_POINTS = (1, 2, 4, 8, 16)      # chain nodes measured (interpolated between)
@@ -28,12 +27,10 @@ LINEAR = 0.9                          # cost(n) >= LINEAR * n * cost(1): larger 
 
 
 def costs_path(model) -> Path:
-    from .tuning import _key
+    from .tuning import _key, entry_path
 
-    key = dict(_key(model.head_path, model.target.path, model.target.dtype),
-               version=COSTS_VERSION)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return user_cache("costs") / f"{digest}.json"
+    return entry_path(user_cache("costs"), dict(
+        _key(model.head_path, model.target.path, model.target.dtype), version=COSTS_VERSION))
 
 
 def read_costs(model):
@@ -48,14 +45,10 @@ def read_costs(model):
 
 
 def write_costs(model, costs) -> Path:
-    f = costs_path(model)
-    text = json.dumps({"costs": costs.asdict(), "measured": time.strftime("%Y-%m-%d %H:%M")},
-                      indent=2) + "\n"
-    try:
-        atomic_file(f, lambda tmp: tmp.write_text(text))
-    except EagleError as e:
-        raise EagleError(f"{str(e).rstrip('.')}; set {CACHE_ENV} to a writable folder.") from None
-    return f
+    from .tuning import write_entry
+
+    return write_entry(costs_path(model), {"costs": costs.asdict(),
+                                           "measured": time.strftime("%Y-%m-%d %H:%M")})
 
 
 def head_options(model) -> List:

@@ -46,10 +46,25 @@ def _key(head_path, target_path, dtype) -> dict:
             "machine": machine()}
 
 
+def entry_path(folder: Path, key: dict) -> Path:
+    """The cache file of `key` in `folder`: found again by a hash of the key."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return folder / f"{digest}.json"
+
+
+def write_entry(f: Path, entry: dict) -> Path:
+    """Write a cache entry as JSON (atomically; one sentence where the cache is not
+    writable)."""
+    text = json.dumps(entry, indent=2) + "\n"
+    try:
+        atomic_file(f, lambda tmp: tmp.write_text(text))
+    except EagleError as e:
+        raise EagleError(f"{str(e).rstrip('.')}; set {CACHE_ENV} to a writable folder.") from None
+    return f
+
+
 def tuning_path(head_path, target_path, dtype) -> Path:
-    digest = hashlib.sha256(json.dumps(_key(head_path, target_path, dtype), sort_keys=True)
-                            .encode()).hexdigest()[:20]
-    return cache_dir() / f"{digest}.json"
+    return entry_path(cache_dir(), _key(head_path, target_path, dtype))
 
 
 def read_tuning(head_path, target_path, dtype) -> Optional[dict]:
@@ -64,11 +79,5 @@ def read_tuning(head_path, target_path, dtype) -> Optional[dict]:
 
 
 def write_tuning(head_path, target_path, dtype, choice: dict) -> Path:
-    f = tuning_path(head_path, target_path, dtype)
-    text = json.dumps({"key": _key(head_path, target_path, dtype), "choice": choice},
-                      indent=2) + "\n"
-    try:
-        atomic_file(f, lambda tmp: tmp.write_text(text))
-    except EagleError as e:
-        raise EagleError(f"{str(e).rstrip('.')}; set {CACHE_ENV} to a writable folder.") from None
-    return f
+    return write_entry(tuning_path(head_path, target_path, dtype),
+                       {"key": _key(head_path, target_path, dtype), "choice": choice})

@@ -29,15 +29,13 @@ deterministic, so the output is exactly the target's whatever is chosen (greedy:
 decoding's tokens; sampling: its distribution).
 """
 
-import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from .drafters import Drafter, EagleDrafter
-from .lookup import LookupDrafter, LookupSettings, _Trie, build_tree
+from .lookup import LookupDrafter, LookupSettings, build_tree, head_trie
 from .tree import Tree
 
 EXPLORE = 0.03         # the share of the time spent trying options that do not pay
@@ -495,15 +493,8 @@ def _catch_up(lookup_state, tokens) -> None:
 def _merge(drafted: Tree, match: int, copied: List[int], p, nodes: int) -> Tree:
     """The head's tree and the lookup chain as one tree of `nodes` nodes (as
     `lookup.MergedDrafter` merges them)."""
-    mx.eval(drafted.tokens, drafted.parents, drafted.scores)  # SYNC: to the host to merge
-    toks, parents = drafted.tokens.tolist(), drafted.parents.tolist()
-    scores = np.array(drafted.scores.astype(mx.float32)).tolist()
-    trie = _Trie()
-    paths = [()]
-    for i in range(1, len(toks)):
-        paths.append(paths[parents[i]] + (toks[i],))
-        trie.add(paths[i], math.exp(min(scores[i], 0.0)), "head")
+    trie, root = head_trie(drafted)
     q = p(match)
     for d in range(1, len(copied) + 1):
         trie.add(tuple(copied[:d]), q ** d, "lookup")
-    return trie.tree(toks[0], nodes)
+    return trie.tree(root, nodes)

@@ -305,17 +305,24 @@ class MergedDrafter(Drafter):
         """The head's tree `drafted` and the lookup branches as one tree (the lookup drafter
         catches up on `tokens` first)."""
         self.lookup.catch_up(state[1], tokens)
-        # SYNC: the head's tree comes to the host to be merged (a few hundred bytes)
-        mx.eval(drafted.tokens, drafted.parents, drafted.scores)
-        toks, parents = drafted.tokens.tolist(), drafted.parents.tolist()
-        scores = np.array(drafted.scores.astype(mx.float32)).tolist()
-        trie = _Trie()
-        paths = [()]
-        for i in range(1, len(toks)):  # parents precede children
-            paths.append(paths[parents[i]] + (toks[i],))
-            trie.add(paths[i], math.exp(min(scores[i], 0.0)), "head")
+        trie, root = head_trie(drafted)
         self.lookup.add_to(trie, state[1])
-        return trie.tree(toks[0], self.total_tokens)
+        return trie.tree(root, self.total_tokens)
+
+
+def head_trie(drafted: Tree):
+    """A head's tree as a trie of its paths with their probabilities (to merge lookup
+    branches into), and its root token."""
+    # SYNC: the head's tree comes to the host to be merged (a few hundred bytes)
+    mx.eval(drafted.tokens, drafted.parents, drafted.scores)
+    toks, parents = drafted.tokens.tolist(), drafted.parents.tolist()
+    scores = np.array(drafted.scores.astype(mx.float32)).tolist()
+    trie = _Trie()
+    paths = [()]
+    for i in range(1, len(toks)):  # parents precede children
+        paths.append(paths[parents[i]] + (toks[i],))
+        trie.add(paths[i], math.exp(min(scores[i], 0.0)), "head")
+    return trie, toks[0]
 
 
 class _HeadView:
