@@ -410,7 +410,7 @@ def check_args(args):
 
 def auto_report(model, tokenizer, encoded, args) -> dict:
     """Plain decoding and adaptive speculation, interleaved on every prompt at every
-    temperature (the machine's drift hits both alike); per dataset the tokens/s of each
+    temperature, each first by turns (the machine's drift hits both alike); per dataset the tokens/s of each
     (the tokens after the prefill's over their time, summed over the prompts), their ratio, tau, what auto chose, and whether its text
     is plain decoding's (greedy)."""
     from .generation import stream_generate
@@ -422,7 +422,8 @@ def auto_report(model, tokenizer, encoded, args) -> dict:
         rows = []
         for i, (src, ids) in enumerate(encoded):
             row = {"source": src, "prompt_tokens": len(ids)}
-            for name, speculate in (("plain", False), ("auto", "auto")):
+            modes = (("plain", False), ("auto", "auto"))
+            for name, speculate in modes[:: 1 if i % 2 == 0 else -1]:  # (each first by turns)
                 start, tokens, r = None, [], None  # (timed from the prefill's token on)
                 for r in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,
                                          temp=temp, seed=args.seed + i, speculate=speculate):

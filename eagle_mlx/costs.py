@@ -5,9 +5,10 @@ them again.
 
 A measurement runs real cycles of the engine, each option forced, after a short prefill: the
 cycle of a chain of n nodes with nothing drafted (n = 1 is a plain step) at a few n, then the
-head's options, whose cycles less the chain of as many nodes are what drafting adds. So the
-costs are timed the way the controller times every cycle afterwards (from the cycle's start
-to its one sync), and include the host's work.
+head's options, whose cycles less the chain of as many nodes are what drafting adds. The
+engine drafts ahead as it does when generating, and the costs are the cycles' own timings,
+the ones the controller reads afterwards (from the cycle's draft to its one sync), so they
+include the host's work as generating pays it.
 """
 
 import json
@@ -19,11 +20,12 @@ from typing import Callable, List, Optional, Sequence
 from .errors import EagleError
 from .outputs import user_cache
 
-COSTS_VERSION = 1
+COSTS_VERSION = 2
 VERIFY_POINTS = (1, 2, 4, 8, 16)      # chain nodes measured (interpolated between)
 MEASURE_PROMPT = 12                   # prompt tokens prefilled before measuring
 SLOW_CYCLE = 0.25                     # seconds: a cycle this slow is timed once, not twice
-LINEAR = 0.9                          # cost(n) >= LINEAR * n * cost(1): larger n cannot pay
+LINEAR = 0.9                          # cost(n) >= LINEAR * n * cost(1) from n = 4 on: larger
+#                                       n cannot pay (2 alone is too noisy to tell)
 
 
 def costs_path(model) -> Path:
@@ -79,7 +81,7 @@ def measure(model, options: Sequence):
     target = model.target
     drafter = AdaptiveDrafter(Costs({1: 1.0}), target, model.head, options, LookupSettings(),
                               node_limit=target.tree_node_limit())
-    engine = Engine(target, drafter, SamplingParams(), target.max_context)
+    engine = Engine(target, drafter, SamplingParams(), target.max_context, pipeline=True)
     state = engine.new_state()
     V = target.vocab_size
     prompt = [(7 + 7919 * i) % V for i in range(MEASURE_PROMPT)]
@@ -88,25 +90,26 @@ def measure(model, options: Sequence):
     def cycle() -> Optional[float]:
         if not engine.fits(state):
             return None
-        start = time.perf_counter()
         engine.cycle(state)
-        return time.perf_counter() - start
+        return state.drafter.seconds
 
-    def timed(option) -> float:
-        """The cycle of `option`: the faster of two after one that warms its shapes up (a
-        head's first also catches it up); where cycles are slow, the first (then warming up
-        is a small part of it), and a second where it was slower than its neighbours say."""
+    def timed(option, twice: bool = False) -> List[float]:
+        """The cycles of `option`: the first (a head's catches it up), then, the faster of
+        two where cycles are fast (warmed up), or one more where the first was slower than
+        its neighbours say (or `twice`). The cycle that drafted it ahead is the option
+        before's, and is not counted."""
         state.drafter.forced = option
+        cycle()  # (the option drafted ahead before this one was forced)
         runs = [cycle()]
         if runs[0] is not None and runs[0] < SLOW_CYCLE:
-            runs = [cycle(), cycle()]
-        elif runs[0] is not None and runs[0] > expected(option):
+            runs += [cycle(), cycle()]
+        elif runs[0] is not None and (twice or runs[0] > expected(option)):
             runs.append(cycle())
         mx.clear_cache()
         runs = [r for r in runs if r is not None]
         if not runs:
             raise EagleError("the model's context is too short to measure its costs in.")
-        return min(runs)
+        return runs
 
     verify = {}
 
@@ -119,23 +122,28 @@ def measure(model, options: Sequence):
     for n in VERIFY_POINTS:
         if n - 1 > drafter.max_lookup:
             break
-        verify[n] = timed(lookup_chain(n - 1))
-        if n > 1 and verify[n] >= LINEAR * n * verify[1]:
+        runs = timed(lookup_chain(n - 1))
+        verify[n] = min(runs[1:] or runs)
+        if n >= 4 and verify[n] >= LINEAR * n * verify[1]:
             break  # (the cost grows as fast as the tokens: longer chains cannot pay)
     low = 0.0  # (a larger chain never costs less: what noise says otherwise is evened out)
     for n in sorted(verify):
         verify[n] = low = max(verify[n], low)
     costs = Costs(verify)
-    draft = {}
+    draft, catch_up = {}, 0.0
     # the options whose verify alone leaves room to pay (an option yields at most its depth
     # + 1 tokens): of the chains, the shortest and the longest (interpolated between)
     can_pay = [o for o in drafter.head_options  # (those within a hybrid's node bound)
                if costs.verify(o.nodes) < LINEAR * (o.depth + 1) * costs.verify(1)]
     chains = [o for o in can_pay if o.chain]
-    for o in [o for o in can_pay if not o.chain] + chains[:1] + chains[1:][-1:]:
-        draft[o.label()] = max(timed(o) - costs.verify(o.nodes), 0.0)
+    for i, o in enumerate(chains[:1] + [o for o in can_pay if not o.chain] + chains[1:][-1:]):
+        behind = state.drafter.pending() + 1  # (the head has not drafted yet: all of it)
+        runs = timed(o, twice=i == 0)
+        draft[o.label()] = max(min(runs[1:] or runs) - costs.verify(o.nodes), 0.0)
+        if i == 0 and len(runs) > 1:  # the first caught up on every position so far
+            catch_up = max(runs[0] - min(runs[1:]), 0.0) / max(behind - o.depth - 1, 1)
     state.drafter.forced = None
-    return Costs(verify, draft)
+    return Costs(verify, draft, catch_up)
 
 
 def model_costs(model, refresh: bool = False,

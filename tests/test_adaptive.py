@@ -8,8 +8,8 @@ import mlx.core as mx
 import pytest
 
 import eagle_mlx
-from eagle_mlx.decoding.adaptive import (EXPLORE, AdaptiveDrafter, Controller, Costs, Option,
-                                         PLAIN, head_chain)
+from eagle_mlx.decoding.adaptive import (EXPLORE, MARGIN, AdaptiveDrafter, Controller, Costs,
+                                         Option, PLAIN, head_chain)
 from eagle_mlx.decoding.engine import SamplingParams
 from eagle_mlx.decoding.lookup import LookupSettings
 from eagle_mlx.decoding.steps import speculative_steps
@@ -88,6 +88,49 @@ def test_exploration_costs_at_most_its_share_where_nothing_pays():
     assert 5 < tries and spent / (tokens * costs.cycle(PLAIN)) < 1 + 1.5 * EXPLORE
 
 
+def test_nothing_is_tried_that_could_not_pay_with_every_token_accepted():
+    """Verify linear in the nodes: a head chain of d tokens yields at most d + 1 tokens for
+    more than d + 1 plain steps' time, so no head option is ever tried; with verify a
+    little cheaper, the chain of 1 (2 tokens for 1.6 + 0.2 s, 1.11 a second against plain's
+    1.0: above MARGIN) is."""
+    linear = Costs({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, {"head chain 1": 0.1, "head chain 6": 0.6})
+    c = Controller(linear, CHAINS + [TREE], lookup_p=None, head_prior=0.9, tree_prior=0.95)
+    for _ in range(500):
+        choice = c.choose()
+        c.update(choice, [], linear.cycle(choice.option))
+        assert choice.option == PLAIN
+    cheaper = Costs({1: 1.0, 2: 1.6, 4: 4.0}, {"head chain 1": 0.2, "head chain 6": 1.2})
+    assert 2 / 1.8 >= MARGIN
+    c = Controller(cheaper, CHAINS, lookup_p=None, head_prior=0.1)
+    tried = set()
+    for _ in range(2000):
+        choice = c.choose()
+        c.update(choice, [], cheaper.cycle(choice.option))
+        tried.add(choice.option)
+    assert tried == {PLAIN, head_chain(1)}
+
+
+def test_a_try_of_the_head_pays_for_its_catching_up():
+    """The head is 100 positions behind at 0.05 s each: a try costs 5 s more than it would
+    caught up, so it waits until the budget (EXPLORE of the time spent) covers that too."""
+    costs = Costs({1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8}, {"head chain 1": 0.3, "head chain 6": 1.0},
+                  catch_up=0.05)
+    first = {}
+    for pending in (0, 100):
+        c = Controller(costs.copy(), CHAINS, lookup_p=None, head_prior=0.3)
+        for cycle in range(1000):
+            choice = c.choose(pending=pending)
+            if choice.probe:
+                first[pending] = cycle
+                assert choice.catch_up == pytest.approx(
+                    0.05 * max(pending - choice.option.depth - 1, 0))
+                break
+            c.update(choice, [], 1.0)
+    # a try at p = 0.3 costs about its verify and draft less 1.4 tokens' time; 5 s more
+    # takes about 5 / EXPLORE = 167 more plain cycles of budget
+    assert first[0] < 30 and 150 < first[100] - first[0] < 190
+
+
 def test_a_head_that_starts_to_pay_is_taken_up():
     """After a stretch where the head's drafts are all rejected, they start being accepted:
     the first try after that shows it, and the head is the choice from then on."""
@@ -109,8 +152,8 @@ class Rotating(Controller):
     choice depends only on the past): plain, a lookup chain, the head's chain, its tree,
     merged."""
 
-    def choose(self, match=0, copied=()):
-        cands = self.candidates(match, len(copied))
+    def choose(self, match=0, copied=(), pending=0):
+        cands = self.candidates(match, len(copied), pending)
         n = sum(self.counts.values())
         kind = ("plain", "lookup", "head", "merged")[n % 4]
         of_kind = [c for c in cands if c.option.kind == kind] or \
@@ -191,6 +234,47 @@ def test_sampling_with_switching_is_lossless(tmp_path):
     assert set(counts) <= set(dist)
     p_value, stat = _chi_square_p(counts, dist, runs)
     assert p_value > 1e-3, (p_value, stat)
+
+
+def test_plain_passes_decided_ahead_equal_plain_decoding(pair, monkeypatch):
+    """Where verifying costs what its tokens would (linear), every pass is plain, decided
+    before the token before it is known and started at once on the caches' snapshot: greedy,
+    the tokens are plain decoding's; seeded, the draws are those of the same seed without
+    drafting ahead (with a prompt cache: one pass at a time; lossless by the chi-square
+    tests). A choice that turns from plain (a repeated text, where verifying is cheap)
+    forgets the pass built ahead exactly."""
+    from eagle_mlx.decoding import adaptive, engine
+
+    target, head = pair
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    tok.eos_token_ids = set()
+    started = []
+    plain_ahead = adaptive.AdaptiveDrafter.plain_ahead
+
+    def spy(self, state):
+        started.append(plain_ahead(self, state))
+        return started[-1]
+
+    monkeypatch.setattr(adaptive.AdaptiveDrafter, "plain_ahead", spy)
+    prompt = [1, 40, 41, 40, 41, 40, 41, 40]
+    dear_head = {"head chain 1": 5.0, "head chain 6": 30.0}
+    for costs in (Costs({1: 1.0, 2: 2.0, 4: 4.0, 16: 16.0}),
+                  Costs({1: 1.0, 2: 1.1, 4: 1.3, 16: 3.0}, dear_head)):
+        model.measured = costs
+        for settings in (dict(), dict(temp=0.9, seed=11)):
+            apart = dict(prompt_cache=eagle_mlx.PromptCache()) if settings else \
+                dict(speculate=False)
+            plain = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40,
+                                                          **apart, **settings)
+                     for t in r.tokens]
+            started.clear()
+            rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40, **settings))
+            assert [t for r in rs for t in r.tokens] == plain
+            if costs.verify(16) > 10:
+                assert rs[-1].passes == {"plain": len(plain) - 1} and all(started[:-1])
+            elif not settings:  # (lookup pays after a match; the head never)
+                assert set(rs[-1].passes) == {"plain", "lookup"}
+                assert True in started and False in started
 
 
 def test_batch_rows_under_auto_equal_their_runs_alone(pair):

@@ -39,6 +39,8 @@ from .lookup import LookupDrafter, LookupSettings, build_tree, head_trie
 from .tree import Tree
 
 EXPLORE = 0.03         # the share of the time spent trying options that do not pay
+MARGIN = 1.05          # speculation is chosen (or tried) where it beats plain decoding by this
+#                        much: within it, the costs' own error could make it the slower one
 LOOKUP_CHAINS = (1, 2, 3, 4, 6, 8, 12, 16)   # lookup drafts this many tokens, at most
 HEAD_CHAINS = (1, 2, 3, 4, 6)                # head chains of this many drafted tokens
 DRIFT_RATE = 0.2       # weight of a plain pass's timing in the drift of every option's cost
@@ -144,15 +146,18 @@ class Costs:
     """Seconds a cycle takes on this machine, by option: `verify` — the cycle of a chain of n
     nodes with nothing to draft (n = 1: a plain step), measured at a few n and interpolated
     (linear beyond the last); `draft` — what the head's proposal adds to the cycle of its
-    tree, by option label (chains between the measured ones: linear in the depth). The
+    tree, by option label (chains between the measured ones: linear in the depth);
+    `catch_up` — what the head's catching up costs a position (after cycles without it). The
     cycles' own timings keep them current: `scale`, the drift of all (throttling, another
     process), `per_node`, what a node costs beyond the measured curve (a longer context makes
     a tree's nodes dearer than the measurement's short one did), and per head option a
     residual, what its measurement missed."""
 
-    def __init__(self, verify: Dict[int, float], draft: Optional[Dict[str, float]] = None):
+    def __init__(self, verify: Dict[int, float], draft: Optional[Dict[str, float]] = None,
+                 catch_up: float = 0.0):
         self.verify_points = sorted((int(n), float(s)) for n, s in verify.items())
         self.draft_costs = dict(draft or {})
+        self.catch_up = catch_up
         self.scale = 1.0
         self.per_node = 0.0
         self.residual: Dict[str, float] = {}
@@ -205,17 +210,25 @@ class Costs:
             label = option.label()
             self.residual[label] = self.residual.get(label, 1.0) * ratio ** RESIDUAL_RATE
 
+    def catching_up(self, option: Option, pending: int) -> float:
+        """Seconds the head takes to catch up before drafting `option`, `pending` positions
+        behind (beyond what a cycle of its own leaves it, which its draft cost holds)."""
+        if option.kind not in ("head", "merged"):
+            return 0.0
+        return self.scale * self.catch_up * max(pending - option.depth - 1, 0)
+
     def copy(self) -> "Costs":
-        return Costs(dict(self.verify_points), self.draft_costs)
+        return Costs(dict(self.verify_points), self.draft_costs, self.catch_up)
 
     def asdict(self) -> dict:
         return {"verify": {str(n): s for n, s in self.verify_points},
-                "draft": dict(self.draft_costs)}
+                "draft": dict(self.draft_costs), "catch_up": self.catch_up}
 
     @classmethod
     def fromdict(cls, d: dict) -> "Costs":
         return cls({int(n): float(s) for n, s in d["verify"].items()},
-                   {str(k): float(v) for k, v in d.get("draft", {}).items()})
+                   {str(k): float(v) for k, v in d.get("draft", {}).items()},
+                   float(d.get("catch_up", 0.0)))
 
 
 @dataclass
@@ -228,6 +241,7 @@ class Choice:
     match: int = 0               # the lookup match its lookup part copies after
     copied: List[int] = field(default_factory=list)  # the lookup tokens it may draft
     probe: bool = False          # a try of a head option that did not pay
+    catch_up: float = 0.0        # of `seconds`, the head's catching up
 
     @property
     def rate(self) -> float:
@@ -276,7 +290,7 @@ class Controller:
         look += [0.0] * (len(head) - len(look))
         return 1.0 + sum(1 - (1 - h) * (1 - lk) for h, lk in zip(head, look))
 
-    def candidates(self, match: int, available: int) -> List[Choice]:
+    def candidates(self, match: int, available: int, pending: int = 0) -> List[Choice]:
         out = [Choice(PLAIN, 1.0, self.costs.cycle(PLAIN))]
         if self.lookup and available > 0:
             for n in LOOKUP_CHAINS:
@@ -288,33 +302,53 @@ class Controller:
                 if n >= available:
                     break
         for o in self.head_options:
-            out.append(Choice(o, self.expect(o), self.costs.cycle(o)))
+            catch = self.costs.catching_up(o, pending)
+            out.append(Choice(o, self.expect(o), self.costs.cycle(o) + catch,
+                              catch_up=catch))
             if self.lookup and available > 0 and not o.chain:
                 m = Option("merged", o.nodes, o.depth, o.top_k)
                 # (the lookup branch takes some of the tree's nodes: costed as the tree)
-                out.append(Choice(m, self.expect(m, match, available), self.costs.cycle(o),
-                                  match))
+                out.append(Choice(m, self.expect(m, match, available),
+                                  self.costs.cycle(o) + catch, match, catch_up=catch))
         return out
 
     # ---------------------------------------------------------------- choosing
-    def choose(self, match: int = 0, copied: Sequence[int] = ()) -> Choice:
+    def choose(self, match: int = 0, copied: Sequence[int] = (), pending: int = 0) -> Choice:
         """The option for the next cycle (match, copied: the lookup match at the context's
-        end and the tokens that followed it before; none: no match): the highest expected
-        tokens per second, or a try of the head's best option where the budget allows."""
-        cands = self.candidates(match, len(copied))
+        end and the tokens that followed it before, none: no match; pending: the positions
+        the head has to catch up on): the highest expected tokens per second where it beats
+        plain decoding by MARGIN, or a try of the head's best option where the budget
+        allows and it could pay at all."""
+        cands = self.candidates(match, len(copied), pending)
+        plain = cands[0]
         best = max(cands, key=lambda c: c.rate)
+        if best.rate < MARGIN * plain.rate:
+            best = plain
         if best.option.kind in ("plain", "lookup") and self.head_options:
-            heads = [c for c in cands if c.option.kind == "head"]
-            trial = max(heads, key=lambda c: c.rate)
-            extra = trial.seconds - trial.tokens / best.rate  # what it costs beyond the best
+            # (an option that would not pay with every drafted token accepted, once caught
+            # up, is not tried)
+            heads = [c for c in cands if c.option.kind == "head" and
+                     (c.option.depth + 1) / (c.seconds - c.catch_up) >= MARGIN * plain.rate]
+            trial = max(heads, key=lambda c: c.rate) if heads else None
+            extra = 0.0 if trial is None else trial.seconds - trial.tokens / best.rate
             self.budget = min(self.budget, 2 * max(extra, 0.0))  # (no bursts of tries)
-            if extra <= self.budget:
+            if trial is not None and extra <= self.budget:
                 self.budget -= max(extra, 0.0)
                 best = trial
                 best.probe = True
         if best.option.kind in ("lookup", "merged"):
             best.copied = list(copied)
         return best
+
+    def plain_whatever(self, matches: Sequence[int], available: int, pending: int) -> bool:
+        """Whether no option but plain decoding beats it by MARGIN at any of these lookup
+        match lengths (with `available` tokens to copy) and `pending` positions for the head
+        to catch up on (tries of the head aside: `choose` makes them)."""
+        for m in matches:
+            cands = self.candidates(m, available if m else 0, pending)
+            if any(c.rate >= MARGIN * cands[0].rate for c in cands[1:]):
+                return False
+        return True
 
     def update(self, choice: Choice, accepted: Sequence[int],
                seconds: Optional[float] = None) -> None:
@@ -323,7 +357,7 @@ class Controller:
         o, n = choice.option, len(accepted)
         self.counts[o.kind] = self.counts.get(o.kind, 0) + 1
         if seconds is not None:
-            self.costs.observe(o, seconds)
+            self.costs.observe(o, seconds - choice.catch_up)
         spent = choice.seconds if seconds is None else seconds
         self.budget += EXPLORE * spent
         if choice.probe and seconds is not None:  # a try that cost more than expected (a
@@ -352,6 +386,8 @@ class AdaptiveState:
         self.tokens: List = []
         self.choice: Optional[Choice] = None
         self.forced: Optional[Option] = None  # every cycle drafts this (measuring its cost)
+        self.seconds: Optional[float] = None  # what the latest cycle took
+        self.decided: Optional[Choice] = None  # the next cycle's choice, made ahead
 
     def pending(self) -> int:
         return sum(int(t.shape[0]) for t in self.tokens)
@@ -436,8 +472,11 @@ class AdaptiveDrafter(Drafter):
             found = state.lookup.automaton.continuations(s.min_match, self.max_lookup, 1)
             if found:
                 match, copied = found[0]
-        if state.forced is None:
-            choice = state.controller.choose(match, copied)
+        if state.decided is not None:
+            choice, state.decided = state.decided, None
+        elif state.forced is None:
+            pending = state.pending() + int(tokens.shape[0]) if self.head is not None else 0
+            choice = state.controller.choose(match, copied, pending)
         else:  # (a lookup chain without a match drafts the root's token again)
             o = state.forced
             copied = (copied + [int(root.item())] * o.depth)[: o.depth]
@@ -465,7 +504,27 @@ class AdaptiveDrafter(Drafter):
         return _with_levels(build_tree(r, [(t, i, 0.0) for i, t in enumerate(chain)],
                                        len(chain)), len(chain))
 
+    def plain_ahead(self, state) -> bool:
+        """Decided before this cycle's token is known: the lookup match it may make is at
+        most one longer than the context's end has now, and the head is one position
+        further behind."""
+        if state.forced is not None:
+            return state.forced == PLAIN
+        c = state.controller
+        pending = state.pending() + 2 if self.head is not None else 0
+        if self.lookup is not None:
+            a = state.lookup.automaton
+            bound = (a.length[a.link[a.last]] if a.last else 0) + 1
+            matches = [0] + list(range(self.lookup.settings.min_match, bound + 1))
+        else:
+            matches = [0]
+        if not c.plain_whatever(matches, self.max_lookup, pending):
+            return False
+        state.decided = c.choose(0, (), pending)  # (plain, or a try of the head)
+        return state.decided.option == PLAIN
+
     def observe(self, state, accepted: List[int], seconds: Optional[float]) -> None:
+        state.seconds = seconds
         if state.choice is not None and state.forced is None:
             state.controller.update(state.choice, accepted, seconds)
 

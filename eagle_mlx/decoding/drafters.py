@@ -74,6 +74,13 @@ class Drafter:
         """After a cycle: the drafted tokens the target accepted, in order, and the seconds
         the cycle took (None where it was not timed alone). Nothing here."""
 
+    def plain_ahead(self, state) -> bool:
+        """Before the engine knows this cycle's tokens (a plain pass's): whether the next
+        cycle is a plain pass whatever they are — then it is decided now, and the engine
+        starts it at once, as mlx-lm's plain decoding does. Only for a drafter that
+        `drafts_ahead`; here: never."""
+        return False
+
     def chosen(self, state) -> Optional[str]:
         """What the latest cycle drafted, for a drafter that chooses (None: always the
         same)."""

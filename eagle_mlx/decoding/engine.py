@@ -174,42 +174,71 @@ class Engine:
     def cycle(self, state: State) -> Step:
         start = time.perf_counter()
         with mx.stream(generation_stream):
-            if state.ahead is not None:  # drafted (and for a plain pass verified) ahead
-                tree, verified, start = state.ahead  # (timed from then)
+            if state.ahead is not None:  # drafted and verified ahead (timed from then)
+                tree, verified, start = state.ahead
                 state.ahead = None
-                verified = verified or self.verify(state, tree)
             else:
                 tree = self.draft(state)
                 verified = self.verify(state, tree)
             accepted = self.accept(tree, verified, state.key())
-            step = self.update(state, tree, verified, accepted)
+            ahead = self.pipeline and self.drafter.drafts_ahead
+            nxt = self.prebuild(state, tree, accepted) if ahead else None
+            started = nxt is not None and self.drafter.plain_ahead(state.drafter)
+            if started:  # the next plain pass runs on the token before the host knows it
+                nxt = (nxt[0], None)  # (the snapshot would keep the old buffers from reuse)
+                mx.async_eval(accepted[0], accepted[1], tree.tokens)
+                mx.async_eval(nxt[0].logits, nxt[0].hidden, *nxt[0].tapped)
+            step = self.update(state, tree, verified, accepted, kept=nxt is not None)
+            synced = time.perf_counter()
             # (timed at the cycle's one sync: what the drafter's choice cost; not when
             # sampling, where choices follow only what is reproducible, so a seed repeats)
             seconds = time.perf_counter() - start if self.sampling.temp == 0 else None
             self.drafter.observe(state.drafter, step.tokens[:-1], seconds)
             step.choice = self.drafter.chosen(state.drafter)
-            if self.pipeline and self.drafter.drafts_ahead and self.fits(state):
-                self.ahead(state)
+            if ahead and self.fits(state):
+                self.ahead(state, nxt, synced if started else None)
+            elif nxt is not None:  # (a started pass is never past the context: `prebuild`)
+                self.target.restore(state.caches, nxt[1])
             # the device keeps the accepted rows while the caller handles the tokens
             # (mlx-lm's async_eval pattern): the next cycle starts from evaluated caches
             mx.async_eval(*self.updated_arrays(state))
         return step
 
-    def ahead(self, state: State) -> None:
-        """The next cycle's draft now, evaluated while the caller handles this cycle's
-        tokens; where it is the root alone (a plain pass), its verify too, as mlx-lm's
-        plain decoding computes each step before handing out the last. The drafter has
-        consumed the pending features and tokens."""
-        start = time.perf_counter()
+    def prebuild(self, state: State, tree: Tree, accepted) -> Optional[tuple]:
+        """Where this cycle is a plain pass (the root alone, its row kept in place), the
+        next plain pass's graph, built on the token not yet computed while the device
+        computes it, as mlx-lm's plain decoding builds each step: (verified, the caches'
+        snapshot to forget it by, should the drafter choose otherwise). None elsewhere."""
+        if tree.tokens.shape[0] != 1 or self.target.node_state_bytes or \
+                state.n + 1 + self.drafter.max_depth >= self.max_context:
+            return None
+        self.target.accept(state.caches, state.n, [state.n])  # (in place: nothing moves)
+        saved = self.target.snapshot(state.caches)
+        if saved is None:
+            return None
+        return self.plain_pass(state, accepted[1].reshape(1)), saved
+
+    def ahead(self, state: State, prebuilt: Optional[tuple] = None,
+              started: Optional[float] = None) -> None:
+        """The next cycle's draft and verify now, evaluated while the caller handles this
+        cycle's tokens (a plain pass's verify is `prebuilt`, from `prebuild`, where there is
+        one; `started`: it is running already, since then — the drafter decided it ahead).
+        The drafter has consumed the pending features and tokens."""
+        start = time.perf_counter() if started is None else started
         tree = self.draft(state)
         state.feats = state.tokens = None
-        if tree.tokens.shape[0] == 1:
+        if prebuilt is not None:
+            if tree.tokens.shape[0] == 1:
+                verified = prebuilt[0]
+            else:
+                assert started is None, "a plain pass decided ahead was drafted otherwise"
+                self.target.restore(state.caches, prebuilt[1])
+                prebuilt = None
+        if prebuilt is None:
             verified = self.verify(state, tree)
+        if started is None:
             mx.async_eval(verified.logits, verified.hidden, *verified.tapped)
-            state.ahead = (tree, verified, start)
-        else:
-            mx.async_eval(tree.tokens, tree.anc, tree.depth)
-            state.ahead = (tree, None, start)
+        state.ahead = (tree, verified, start)
 
     def updated_arrays(self, state: State) -> list:
         """What the update leaves to evaluate: the kept features and every layer's cache."""
@@ -220,12 +249,17 @@ class Engine:
         """1. the drafter catches up on the new positions and proposes a tree."""
         return self.drafter.propose(state.drafter, state.feats, state.tokens, state.root)
 
+    def plain_pass(self, state: State, token: mx.array) -> Verified:
+        """The target's forward over one token [1] after what the caches hold, as mlx-lm's
+        plain step runs it (no tree mask or positions)."""
+        hidden, tapped = self.target(token[None], state.caches, taps=self.taps)
+        return Verified(hidden, tapped, self.target.lm_head(hidden[0]))
+
     def verify(self, state: State, tree: Tree) -> Verified:
         """2. one target forward over the whole tree, after the n cached positions."""
         size = tree.tokens.shape[0]
         if size == 1 and not self.target.node_state_bytes:  # a plain pass: as mlx-lm's step
-            hidden, tapped = self.target(tree.tokens[None], state.caches, taps=self.taps)
-            return Verified(hidden, tapped, self.target.lm_head(hidden[0]))
+            return self.plain_pass(state, tree.tokens)
         mask = mx.concatenate([mx.ones((size, state.n), dtype=mx.bool_), tree.anc], axis=1)
         hidden, tapped = self.target(tree.tokens[None], state.caches,
                                      positions=state.n + tree.depth, mask=mask, taps=self.taps,
@@ -242,13 +276,16 @@ class Engine:
             best, bonus = accept_sampling(tree, self.sampling.logprobs(verified.logits), key)
         return tree.anc[best], bonus
 
-    def update(self, state: State, tree: Tree, verified: Verified, accepted) -> Step:
-        """4. keep the accepted rows of every layer's cache, hand their features on."""
+    def update(self, state: State, tree: Tree, verified: Verified, accepted,
+               kept: bool = False) -> Step:
+        """4. keep the accepted rows of every layer's cache (kept: already kept, a plain
+        pass's), hand their features on."""
         path_mask, bonus = accepted
         # SYNC (once per cycle): which nodes were accepted, and the next root token
         mx.eval(path_mask, tree.tokens, bonus)
         path = np.flatnonzero(np.array(path_mask)).tolist()  # root first: parents precede
-        self.target.accept(state.caches, state.n, [state.n + i for i in path])
+        if not kept:
+            self.target.accept(state.caches, state.n, [state.n + i for i in path])
         return self.advance(state, tree, verified, path, bonus.item())
 
     def advance(self, state: State, tree: Tree, verified: Verified, path: List[int],

@@ -47,6 +47,20 @@ class TreeKVCache(KVCache):
         """Whether the cache can be cut back to its first `length` positions."""
         return True
 
+    def snapshot(self) -> dict:
+        """What `restore` needs to undo the updates made after this call. The buffers are
+        written in place (mlx-lm's `update_and_fetch`), so the cache goes on with new array
+        objects over the same data (no copy): the writes change those, not the snapshot's."""
+        saved = dict(vars(self))
+        if self.keys is not None:
+            self.keys, self.values = mx.array(self.keys), mx.array(self.values)
+        return saved
+
+    def restore(self, saved: dict) -> None:
+        """Back to the `snapshot`: the updates since are forgotten, never evaluated."""
+        self.__dict__.clear()
+        self.__dict__.update(saved)
+
     def truncate(self, length: int) -> None:
         """Forget everything after the first `length` slots (mlx-lm's `trim`)."""
         if length < self.offset:

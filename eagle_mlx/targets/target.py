@@ -133,6 +133,19 @@ class Target:
         for m, c in zip(self.mechanisms, caches):
             m.accept(c, start, rows)
 
+    @staticmethod
+    def snapshot(caches) -> Optional[list]:
+        """What `restore` needs to forget the updates made to `caches` after this call (a
+        forward built but not evaluated); None where a cache cannot (a recurrent state)."""
+        if not all(isinstance(c, TreeKVCache) for c in caches):
+            return None
+        return [c.snapshot() for c in caches]
+
+    @staticmethod
+    def restore(caches, saved: list) -> None:
+        for c, s in zip(caches, saved):
+            c.restore(s)
+
     def reusable(self, caches, length: int) -> bool:
         """Whether every layer can be cut back to its first `length` positions exactly (a
         sliding-window layer has dropped what its window no longer sees)."""
