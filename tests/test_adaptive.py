@@ -243,7 +243,7 @@ def test_plain_passes_decided_ahead_equal_plain_decoding(pair, monkeypatch):
     drafting ahead (with a prompt cache: one pass at a time; lossless by the chi-square
     tests). A choice that turns from plain (a repeated text, where verifying is cheap)
     forgets the pass built ahead exactly."""
-    from eagle_mlx.decoding import adaptive, engine
+    from eagle_mlx.decoding import adaptive
 
     target, head = pair
     model, tok = eagle_mlx.load(str(target), eagle=str(head))
