@@ -119,14 +119,19 @@ class Survival:
 
 class LookupAcceptance:
     """Per-token acceptance of a lookup draft after a match of m tokens: the calibration
-    (`lookup.LookupSettings.p`) as the prior, corrected by this sequence's own counts."""
+    (`lookup.LookupSettings.p`) as the prior, corrected by this sequence's own counts, kept
+    per range of match lengths the calibration has a value for (`keys`: the range's first
+    length; none: each length to max_key its own), so a few drafts teach every length."""
 
-    def __init__(self, prior, weight: float = 4.0, memory: float = 0.9, max_key: int = 8):
+    def __init__(self, prior, weight: float = 4.0, memory: float = 0.9, max_key: int = 8,
+                 keys: Sequence[int] = ()):
         self.prior, self.weight, self.memory, self.max_key = prior, weight, memory, max_key
+        self.keys = sorted(keys)
         self.counts: Dict[int, List[float]] = {}
 
     def _key(self, match: int) -> int:
-        return min(match, self.max_key)
+        below = [k for k in self.keys if k <= match]
+        return below[-1] if below else min(match, self.max_key)
 
     def update(self, match: int, drafted: int, accepted: int) -> None:
         c = self.counts.setdefault(self._key(match), [0.0, 0.0])
@@ -252,10 +257,12 @@ class Controller:
     """One sequence's choices (see the module docstring). head_options: the head's options
     (chains and trees; none without a head); lookup: whether lookup may draft; head_prior:
     the prior per-token acceptance of the head's chain (and of its trees' best path); the
-    lookup prior `lookup_p(match)`."""
+    lookup prior `lookup_p(match)` (and `lookup_keys`: the match lengths from which it
+    changes)."""
 
     def __init__(self, costs: Costs, head_options: Sequence[Option] = (), lookup: bool = True,
                  lookup_p=None, head_prior: float = 0.6, tree_prior: float = 0.75,
+                 lookup_keys: Sequence[int] = (),
                  max_lookup: int = max(LOOKUP_CHAINS)):
         self.costs = costs
         self.head_options = list(head_options)
@@ -265,7 +272,7 @@ class Controller:
         self.chain = Survival([head_prior] * depth)
         self.trees = {o: Survival([tree_prior] * o.depth) for o in self.head_options
                       if not o.chain}
-        self.lookup_acc = LookupAcceptance(lookup_p or (lambda m: 0.0))
+        self.lookup_acc = LookupAcceptance(lookup_p or (lambda m: 0.0), keys=lookup_keys)
         self.budget = 0.0  # seconds of exploration allowed now
         self.counts: Dict[str, int] = {}  # cycles by option kind
 
@@ -427,7 +434,8 @@ class AdaptiveDrafter(Drafter):
         # (each generation follows the drift it sees itself, from the measured costs)
         return Controller(self.costs.copy(), self.head_options, self.lookup is not None,
                           None if self.lookup is None else self.lookup.settings.p,
-                          max_lookup=self.max_lookup, **prior)
+                          max_lookup=self.max_lookup, lookup_keys=() if self.lookup is None
+                          else tuple(self.lookup.settings.accept), **prior)
 
     def new_state(self):
         return AdaptiveState(None if self.head is None else self.head.make_cache(),
@@ -505,19 +513,20 @@ class AdaptiveDrafter(Drafter):
                                        len(chain)), len(chain))
 
     def plain_ahead(self, state) -> bool:
-        """Decided before this cycle's token is known: the lookup match it may make is at
-        most one longer than the context's end has now, and the head is one position
+        """Decided before this cycle's token is known, from the lookup match the context's
+        end has without it (so a copy that starts with that token is taken up a pass later:
+        where the match already pays, nothing is decided ahead), the head one position
         further behind."""
         if state.forced is not None:
             return state.forced == PLAIN
         c = state.controller
         pending = state.pending() + 2 if self.head is not None else 0
+        matches = [0]
         if self.lookup is not None:
             a = state.lookup.automaton
-            bound = (a.length[a.link[a.last]] if a.last else 0) + 1
-            matches = [0] + list(range(self.lookup.settings.min_match, bound + 1))
-        else:
-            matches = [0]
+            now = a.length[a.link[a.last]] if a.last else 0
+            if now >= self.lookup.settings.min_match:
+                matches.append(now)
         if not c.plain_whatever(matches, self.max_lookup, pending):
             return False
         state.decided = c.choose(0, (), pending)  # (plain, or a try of the head)
