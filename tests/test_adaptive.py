@@ -240,9 +240,10 @@ def test_plain_passes_decided_ahead_equal_plain_decoding(pair, monkeypatch):
     """Where verifying costs what its tokens would (linear), every pass is plain, decided
     before the token before it is known and started at once on the caches' snapshot: greedy,
     the tokens are plain decoding's; seeded, the draws are those of the same seed without
-    drafting ahead (with a prompt cache: one pass at a time; lossless by the chi-square
-    tests). A choice that turns from plain (a repeated text, where verifying is cheap)
-    forgets the pass built ahead exactly."""
+    drafting ahead (one pass at a time; lossless by the chi-square tests). A choice that
+    turns from plain (a repeated text, where verifying is cheap) forgets the pass built
+    ahead exactly."""
+    from eagle_mlx.decoding.accept import KeyChain
     from eagle_mlx.decoding import adaptive
 
     target, head = pair
@@ -262,11 +263,15 @@ def test_plain_passes_decided_ahead_equal_plain_decoding(pair, monkeypatch):
                   Costs({1: 1.0, 2: 1.1, 4: 1.3, 16: 3.0}, dear_head)):
         model.measured = costs
         for settings in (dict(), dict(temp=0.9, seed=11)):
-            apart = dict(prompt_cache=eagle_mlx.PromptCache()) if settings else \
-                dict(speculate=False)
-            plain = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40,
-                                                          **apart, **settings)
-                     for t in r.tokens]
+            if settings:  # (stream_generate's first token is the prefill's, then cycles)
+                steps = speculative_steps(model.target, model.adaptive_drafter(), prompt,
+                                          SamplingParams(temp=0.9), keys=KeyChain.start(11),
+                                          pipeline=False)
+                plain = [t for _, s in zip(range(40), steps) for t in s.tokens][:40]
+            else:
+                plain = [t for r in eagle_mlx.stream_generate(model, tok, prompt,
+                                                              max_tokens=40, speculate=False)
+                         for t in r.tokens]
             started.clear()
             rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40, **settings))
             assert [t for r in rs for t in r.tokens] == plain

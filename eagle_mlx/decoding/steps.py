@@ -142,17 +142,23 @@ def speculative_steps(target, drafter, prompt: Sequence[int], sampling: Sampling
                       timer: Optional[PhaseTimer] = None,
                       prompt_cache: Optional[PromptCache] = None,
                       keys: Optional[KeyChain] = None,
-                      logprobs: Optional[int] = None) -> Iterator[Step]:
+                      logprobs: Optional[int] = None,
+                      pipeline: Optional[bool] = None) -> Iterator[Step]:
     """Speculative decoding with any drafter (`drafters.Drafter`); yields one Step per
     target forward (keys: the random keys of its draws; None: MLX's global state;
     logprobs: as `plain_steps`).
 
     trace: attach the verified tree to every Step. timer: profile the phases of each cycle
     (`profiling.profiled_cycle`: a sync after every phase). prompt_cache: reuse (and leave
-    behind) the caches of an earlier call."""
-    # (drafting ahead leaves the caches a position past the state: not where they are kept)
+    behind) the caches of an earlier call. pipeline: let a drafter that `drafts_ahead` draft
+    and verify the next cycle before the caller has this one's tokens (`Engine`); default:
+    where nothing is profiled, and with a prompt cache only where every layer's cache can be
+    cut back (the caches then hold the pass drafted ahead too, which the next call's `reuse`
+    cuts off; a recurrent state cannot be)."""
+    if pipeline is None:
+        pipeline = timer is None and (prompt_cache is None or not target.node_state_bytes)
     engine = Engine(target, drafter, sampling, max_context or target.max_context, logprobs,
-                    pipeline=prompt_cache is None and timer is None)
+                    pipeline=pipeline)
     pc = prompt_cache if prompt_cache is not None else PromptCache()
     start = pc.reuse(target, drafter, prompt)
     state = pc.state()
