@@ -53,7 +53,8 @@ def assert_match(scores, tokens, reference, top):
 
 def check_greedy(model, tok, target_dir, prompt, n, drafts: bool):
     tok.eos_token_ids = set()  # (the whole length is compared)
-    rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=n, logprobs=TOP))
+    rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=n, logprobs=TOP,
+                                        speculate=drafts))  # (drafting every pass)
     tokens = [t for r in rs for t in r.tokens]
     scores = [s for r in rs for s in r.logprobs]
     # speculation made several tokens in one target forward (their rows of one verify pass)

@@ -346,6 +346,9 @@ class BatchGenerator:
         speculative = [not s.plain and s.engine.fits(s.state) for s in rows]
         trees = self._draft(rows, speculative)
         verified, results = self._verify(rows, trees, speculative)
+        for s, t, sp in zip(rows, trees, speculative):  # (as each row would alone)
+            if sp:
+                s.engine.decides_plain(s.state, t)
         # SYNC (once per cycle): every row's accepted nodes and next token
         mx.eval([r for pair in results for r in pair], [t.tokens for t in trees])
         kept, out = [], []

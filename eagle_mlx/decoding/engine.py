@@ -182,8 +182,9 @@ class Engine:
                 verified = self.verify(state, tree)
             accepted = self.accept(tree, verified, state.key())
             ahead = self.pipeline and self.drafter.drafts_ahead
+            decided = self.decides_plain(state, tree)  # (pipelined or not: the same choices)
             nxt = self.prebuild(state, tree, accepted) if ahead else None
-            started = nxt is not None and self.drafter.plain_ahead(state.drafter)
+            started = nxt is not None and decided
             if started:  # the next plain pass runs on the token before the host knows it
                 nxt = (nxt[0], None)  # (the snapshot would keep the old buffers from reuse)
                 mx.async_eval(accepted[0], accepted[1], tree.tokens)
@@ -203,6 +204,17 @@ class Engine:
             # (mlx-lm's async_eval pattern): the next cycle starts from evaluated caches
             mx.async_eval(*self.updated_arrays(state))
         return step
+
+    def decides_plain(self, state: State, tree: Tree) -> bool:
+        """Whether the drafter decides now, before this cycle's token is known, that the next
+        pass is plain (`Drafter.plain_ahead`). Asked wherever this cycle is a plain pass that
+        a plain pass could follow without a tree's recurrent states, whether or not the engine
+        pipelines (a batch's rows ask too), so a sequence's choices are the same everywhere."""
+        if not self.drafter.drafts_ahead or tree.tokens.shape[0] != 1 or \
+                self.target.node_state_bytes or \
+                state.n + 1 + self.drafter.max_depth >= self.max_context:
+            return False
+        return self.drafter.plain_ahead(state.drafter)
 
     def prebuild(self, state: State, tree: Tree, accepted) -> Optional[tuple]:
         """Where this cycle is a plain pass (the root alone, its row kept in place), the
