@@ -108,9 +108,10 @@ MIN_CYCLES_TO_JUDGE = 20  # cycles before the acceptance says anything about the
 def acceptance_warning(model, r: GenerationResponse, temp: float = 0.0) -> Optional[str]:
     """One sentence when a generation accepted far fewer drafted tokens than the head's own
     record promises (its trainer's held-out top-1 accuracy, or the benchmark's tau on this
-    machine): the sign of a head made for another target."""
+    machine): the sign of a head made for another target. Only the cycles the head drafted
+    count (adaptive speculation decodes plainly or copies where the head does not pay)."""
     head = model.head
-    cycles = r.accept_lengths
+    cycles = r.head_accept_lengths
     if head is None or len(cycles) < MIN_CYCLES_TO_JUDGE:
         return None
     first = sum(a >= 1 for a in cycles) / len(cycles)  # the first drafted token accepted
@@ -121,8 +122,8 @@ def acceptance_warning(model, r: GenerationResponse, temp: float = 0.0) -> Optio
                 f"is {model.head_path} a head for this target?")
     tuned = (model.tuning or {}).get("tau")
     if tuned and (model.tuning or {}).get("temp", 0.0) == temp and \
-            r.mean_accept_length - 1 < 0.5 * (tuned - 1):
-        return (f"tau {r.mean_accept_length:.2f} is far below the {tuned:.2f} the benchmark "
+            sum(cycles) / len(cycles) < 0.5 * (tuned - 1):
+        return (f"tau {1 + sum(cycles) / len(cycles):.2f} is far below the {tuned:.2f} the benchmark "
                 f"measured for this head; is {model.head_path} a head for this target?")
     return None
 

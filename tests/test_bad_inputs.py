@@ -491,7 +491,9 @@ def test_a_head_far_below_its_own_record_gets_a_warning(world):
     _, target, head, _ = world
     model, tok = eagle_mlx.load(str(target), eagle=str(head))
     tok.eos_token_ids = set()
-    r = list(eagle_mlx.stream_generate(model, tok, [5, 6, 7], max_tokens=120))[-1]
+    r = list(eagle_mlx.stream_generate(model, tok, [5, 6, 7], max_tokens=120,
+                                       speculate=True))[-1]
+    assert r.head_accept_lengths == r.accept_lengths  # (the head drafted every cycle)
     first = sum(a >= 1 for a in r.accept_lengths) / len(r.accept_lengths)
     assert len(r.accept_lengths) >= 20 and first < 0.45  # a random head: few drafts accepted
     model.head.source = model.head.source.replace(held_out_top1=min(1.0, 2.5 * first + 0.3))  # promised far more than it did
@@ -502,6 +504,14 @@ def test_a_head_far_below_its_own_record_gets_a_warning(world):
     model.head.source = model.head.source.replace(held_out_top1=None)
     model.tuning = {"tau": r.mean_accept_length * 3, "temp": 0.0}  # the benchmark saw far more
     assert "far below" in acceptance_warning(model, r)
+    # under auto, where verifying costs what its tokens would, the head never drafts: its
+    # passes are plain, and they say nothing about the head
+    from eagle_mlx.decoding.adaptive import Costs
+
+    model.measured, model.tuning = Costs({1: 1.0, 2: 2.0, 4: 4.0, 16: 16.0}), None
+    r = list(eagle_mlx.stream_generate(model, tok, [5, 6, 7], max_tokens=120))[-1]
+    assert len(r.accept_lengths) >= 20 and r.head_accept_lengths == []
+    assert acceptance_warning(model, r) is None
 
 
 @pytest.mark.parametrize("values", [["0"], ["3", "1000"], ["-2"]])

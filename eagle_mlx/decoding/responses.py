@@ -32,6 +32,8 @@ class GenerationResponse:
     # merged); empty otherwise
     passes: Dict[str, int] = field(default_factory=dict, repr=False)
     choice: Optional[str] = None  # ... and what this pass drafted
+    # of `accept_lengths`, those of the cycles the head drafted (all, without adaptive choice)
+    head_accept_lengths: List[int] = field(default_factory=list, repr=False)
 
 
 def responses(tokenizer, ids, steps, max_tokens,
@@ -44,6 +46,7 @@ def responses(tokenizer, ids, steps, max_tokens,
     start = time.perf_counter()
     prompt_time = gen_start = None
     produced, forwards, accept_lengths, passes = 0, 0, [], {}
+    head_lengths = []
 
     def response(text, tokens, accept_length, finish, scores=None, choice=None):
         now = time.perf_counter()
@@ -59,7 +62,7 @@ def responses(tokenizer, ids, steps, max_tokens,
                                 if accept_lengths else 0.0),
             target_forwards=forwards, peak_memory=mx.get_peak_memory() / 1e9,
             accept_lengths=list(accept_lengths), logprobs=scores, passes=dict(passes),
-            choice=choice)
+            choice=choice, head_accept_lengths=list(head_lengths))
 
     for step in steps:
         forwards += 1
@@ -83,6 +86,10 @@ def responses(tokenizer, ids, steps, max_tokens,
                 break
         if step.accept_length is not None:  # tau counts only the tokens that were output
             accept_lengths.append(min(step.accept_length, len(tokens) - 1))
+            # (a plain step near the context's end drafted nothing and chose nothing)
+            kind = step.choice.split()[0] if step.choice else None
+            if kind in ("head", "merged") or (kind is None and step.drafted is not None):
+                head_lengths.append(accept_lengths[-1])
         if step.choice is not None:
             kind = step.choice.split()[0]
             passes[kind] = passes.get(kind, 0) + 1
