@@ -210,19 +210,21 @@ class Engine:
         pass is plain (`Drafter.plain_ahead`). Asked wherever this cycle is a plain pass that
         a plain pass could follow without a tree's recurrent states, whether or not the engine
         pipelines (a batch's rows ask too), so a sequence's choices are the same everywhere."""
-        if not self.drafter.drafts_ahead or tree.tokens.shape[0] != 1 or \
-                self.target.node_state_bytes or \
-                state.n + 1 + self.drafter.max_depth >= self.max_context:
-            return False
-        return self.drafter.plain_ahead(state.drafter)
+        return self.drafter.drafts_ahead and self._plain_follows(state, tree) and \
+            self.drafter.plain_ahead(state.drafter)
+
+    def _plain_follows(self, state: State, tree: Tree) -> bool:
+        """Whether this cycle is a plain pass whose row stays in place and another plain
+        pass, without recurrent states, fits after it (one more position and a tree)."""
+        return tree.tokens.shape[0] == 1 and not self.target.node_state_bytes and \
+            state.n + 1 + self.drafter.max_depth < self.max_context
 
     def prebuild(self, state: State, tree: Tree, accepted) -> Optional[tuple]:
         """Where this cycle is a plain pass (the root alone, its row kept in place), the
         next plain pass's graph, built on the token not yet computed while the device
         computes it, as mlx-lm's plain decoding builds each step: (verified, the caches'
         snapshot to forget it by, should the drafter choose otherwise). None elsewhere."""
-        if tree.tokens.shape[0] != 1 or self.target.node_state_bytes or \
-                state.n + 1 + self.drafter.max_depth >= self.max_context:
+        if not self._plain_follows(state, tree):
             return None
         self.target.accept(state.caches, state.n, [state.n])  # (in place: nothing moves)
         saved = self.target.snapshot(state.caches)
