@@ -116,7 +116,7 @@ def test_head_alone_and_lookup_alone(pairs):
     model, tok = eagle_mlx.load(str(t), lookup=True)
     check_batch_equals_alone(model, tok, max_batch=2, settings=[
         GenerationSettings(max_tokens=s.max_tokens, temp=s.temp, top_k=s.top_k, top_p=s.top_p,
-                           seed=s.seed) for s in SETTINGS])
+                           seed=s.seed, speculate=True) for s in SETTINGS])
 
 
 def _rows(cache, b):
