@@ -186,7 +186,18 @@ def cost_curves(model, prefix_len, sizes, reps=5):
                 c.truncate(prefix_len)
 
         verify[k] = _median_time(run_target, reps)
-        if head is not None:
+        if getattr(head, "block", False):  # a block of k slots after the context
+            bstate = head.make_cache()
+            head.add_context(bstate, mx.zeros((prefix_len, head.feature_size), target.dtype))
+            mx.eval(bstate.layers[0].arrays())
+            root = mx.array(3)
+
+            def run_block():
+                mx.eval(head.logits(head.block_hidden(bstate, root, target, k + 1),
+                                    target).argmax(-1))
+
+            draft[k] = _median_time(run_block, reps)
+        elif head is not None:
             hcache = head.make_cache()
             feats = mx.zeros((1, prefix_len, head.feature_size), dtype=target.dtype)
             mx.eval(head(feats, prefix, target.embed_tokens, hcache, fed_back=False))
@@ -208,8 +219,11 @@ def _interp(curve, k):
     return float(np.interp(k, ks, [curve[x] for x in ks]))
 
 
-def draft_seconds(tree, tau, draft):
-    """Head time of a cycle from its cost curve: catch-up over ~tau tokens + `depth` steps."""
+def draft_seconds(tree, tau, draft, block: bool = False):
+    """Head time of a cycle from its cost curve: catch-up over ~tau tokens + `depth` steps
+    (block: one block as deep as the tree, the catch-up folded into it)."""
+    if block:
+        return _interp(draft, tree["depth"] + 1)
     return _interp(draft, tree["draft_top_k"]) * tree["depth"] + _interp(draft, tau)
 
 
@@ -219,7 +233,8 @@ def modelled_cycle(tree, tau, verify, draft, calibration):
     acceptance per tree node (sampling turns every node's logits into a distribution), plus
     the profiled fixed cost (cache update, loop)."""
     return (_interp(verify, tree["total_tokens"])
-            + draft_seconds(tree, tau, draft) * calibration["draft_scale"]
+            + draft_seconds(tree, tau, draft, calibration.get("block", False))
+            * calibration["draft_scale"]
             + calibration["accept_seconds_per_node"] * tree["total_tokens"]
             + calibration["fixed_seconds"])
 
@@ -519,7 +534,7 @@ def summarise(per_prompt, trees):
     return plain_tps, summary
 
 
-def calibrate(per_prompt, trees, default, summary, verify, draft):
+def calibrate(per_prompt, trees, default, summary, verify, draft, block: bool = False):
     """The cycle model's constants from the default tree's profile; with the default tree
     among those measured, its measured (unsynced) cycle scales the model too."""
     per_cycle = {k: statistics.mean(r["cycle_seconds"][k] for r in per_prompt)
@@ -527,9 +542,11 @@ def calibrate(per_prompt, trees, default, summary, verify, draft):
     default_tau = statistics.mean(r["tau"] for r in runs_of(per_prompt, trees, default)) \
         if default in trees else summary[0]["tau"]
     calibration = {
-        "draft_scale": per_cycle["draft"] / max(draft_seconds(default, default_tau, draft), 1e-9),
+        "draft_scale": per_cycle["draft"] / max(draft_seconds(default, default_tau, draft,
+                                                              block), 1e-9),
         "accept_seconds_per_node": per_cycle["accept"] / default["total_tokens"],
         "fixed_seconds": per_cycle["update"] + per_cycle["other"],
+        "block": block,  # a block drafter: one block a cycle, whatever the tree's width
     }
     if default in trees:
         real = statistics.mean(r["generation_tokens"] / max(r["tokens_per_second"], 1e-9)
@@ -641,7 +658,8 @@ def measure_trees(model, tokenizer, encoded, args, trees) -> dict:
         report["prompts"] += per_prompt
         # summarise and calibrate: the model's expected speedup of every tree
         plain_tps, summary = summarise(per_prompt, trees)
-        per_cycle, calibration = calibrate(per_prompt, trees, default, summary, verify, draft)
+        per_cycle, calibration = calibrate(per_prompt, trees, default, summary, verify, draft,
+                                           getattr(model.head, "block", False))
         for s in summary:
             s["expected_speedup"] = expected_tokens_per_second(
                 s["tree"], s["tau"], verify, draft, calibration) / plain_tps

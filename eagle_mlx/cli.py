@@ -72,10 +72,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", help=f"target folder, Hugging Face repo id or GGUF file "
                                    f"({DEMO_NOTE})")
-    p.add_argument("--eagle", help="draft head folder or repo id (an EAGLE head in MLX or any "
-                                   "published PyTorch layout, or a checkpoint whose MTP module "
-                                   "drafts); omitted: plain decoding, unless the demo target is "
-                                   "used")
+    p.add_argument("--eagle", help="drafter folder or repo id, any kind: an EAGLE head in MLX "
+                                   "or any published PyTorch layout, a checkpoint whose MTP "
+                                   "module drafts, or a block drafter (DFlash); omitted: plain "
+                                   "decoding, unless the demo target is used")
     add_dtype_arg(p)
     add_draft_vocab_args(p)
     add_lookup_args(p)
@@ -123,6 +123,9 @@ def add_draft_vocab_args(p: argparse.ArgumentParser) -> None:
                         "pair's measured choice)")
     p.add_argument("--draft-vocab-data", default=None,
                    help="ShareGPT-style file to count token frequencies on (default: ShareGPT)")
+    p.add_argument("--draft-window", type=int, default=None,
+                   help="block drafters: keep the context of the last N positions only (long "
+                        "contexts; default: the checkpoint's window, else all)")
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -226,6 +229,9 @@ def load_from_args(args):
         raise UsageError(f"--draft-vocab must be 0 (the whole vocabulary) or positive "
                          f"(got {draft_vocab}).")
     lookup = lookup_from_args(args)
+    window = getattr(args, "draft_window", None)
+    if window is not None and window < 1:
+        raise UsageError(f"--draft-window must be a positive number of positions (got {window}).")
     demo_vocab = False  # the demo's EAGLE-1 head drafts over its measured vocabulary
     if model_path is None:
         model_path, demo_head = demo_paths()
@@ -236,7 +242,7 @@ def load_from_args(args):
     # an explicit --draft-vocab 0 also overrides the benchmark's tuned choice
     model, tokenizer = load(model_path, eagle=eagle_path, dtype=args.dtype,
                             draft_vocab=0 if draft_vocab == 0 else None, group=group,
-                            lookup=lookup)
+                            lookup=lookup, draft_window=window)
     if demo_vocab:
         draft_vocab = demo_draft_vocab(model.head)
     if draft_vocab and model.head is not None:
@@ -307,8 +313,11 @@ def describe_costs(model, settings) -> Optional[str]:
 def describe_head(head) -> str:
     """The head's kind, the layout it was read from and the target layers it reads."""
     layout = head.source.layout
-    text = f"{head.kind} head" + (f" ({layout} layout)" if layout and layout != "eagle_mlx"
-                                  else "")
+    if getattr(head, "block", False):
+        text = f"DFlash drafter (blocks of {head.block_size})"
+    else:
+        text = f"{head.kind} head" + (f" ({layout} layout)" if layout and layout != "eagle_mlx"
+                                      else "")
     taps = head.aux_layers
     return text + (f", reading target layers {list(taps)}" if taps else "")
 

@@ -23,6 +23,7 @@ from .tuning import read_tuning
 # for A100s). 16 nodes, depth 4, top-4 is the official code's small setting; the benchmark
 # measures this machine's verify cost curve and stores a better choice in the user's cache.
 DEFAULT_TREE = TreeSpec(total_tokens=16, depth=4, draft_top_k=4)
+# (a block drafter's DDTree has the same nodes and candidates, as deep as its block)
 
 
 @dataclass
@@ -77,13 +78,16 @@ class EagleModel:
         """The tree to draft: the benchmark's choice (for this batch size, where it measured
         batches) over the default."""
         tuning = self.batch_tuning(batch) or self.tuning or {}
-        return DEFAULT_TREE.replace(**{k: tuning[k] for k in DEFAULT_TREE.asdict()
-                                       if k in tuning})
+        default = DEFAULT_TREE
+        if getattr(self.head, "block", False):  # a DDTree as deep as the drafter's block
+            default = default.replace(depth=self.head.block_size - 2)
+        return default.replace(**{k: tuning[k] for k in default.asdict() if k in tuning})
 
 
 def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
          dtype: Optional[str] = None, draft_vocab: Optional[int] = None,
-         draft_vocab_data: Optional[str] = None, group=None, lookup=None):
+         draft_vocab_data: Optional[str] = None, group=None, lookup=None,
+         draft_window: Optional[int] = None):
     """Load a target (folder, Hugging Face repo id or GGUF file) and, optionally, its EAGLE head.
 
     `eagle` may be a converted MLX head folder or a published PyTorch one (converted in
@@ -100,6 +104,8 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     options adaptive speculation (`speculate="auto"`) chooses from; True (or a
     `lookup.LookupSettings`): also whenever speculation is forced, alone (eagle=None) or as
     branches of the head's tree within its node budget; False: never.
+    draft_window: a block drafter keeps the context of the last N positions only (long
+    contexts: its draft cost stays bounded; None: the checkpoint's own window, else all).
     Returns (EagleModel, tokenizer); with eagle=None and no lookup decoding is plain.
     """
     convert_to = resolve_dtype(dtype)
@@ -110,6 +116,9 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     check(draft_vocab_data is None or isinstance(draft_vocab_data, (str, Path)),
           "draft_vocab_data must be the path of a ShareGPT-style file, given as a string.",
           "draft_vocab_data")
+    check(draft_window is None or (is_int(draft_window) and draft_window > 0),
+          f"draft_window must be a positive whole number of positions or None (got "
+          f"{draft_window!r}).", "draft_window")
     if group is not None and group.size() < 2:
         group = None
     auto = lookup is not False
@@ -129,6 +138,10 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
                           auto_lookup=_calibrated(lookup or LookupSettings(), tuning)
                           if auto else None), tokenizer
     head = load_head(eagle, t)
+    if draft_window is not None:
+        check(getattr(head, "block", False), "draft_window applies to block drafters "
+              f"(DFlash); {eagle} is a {head.kind} head.", "draft_window")
+        head.args.draft_window = int(draft_window)
     if convert_to is not None:
         convert_dtype(head, convert_to)
         if not lazy:

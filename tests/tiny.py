@@ -246,3 +246,70 @@ def numpy_sampling_distribution(logits, temp, top_p, min_p, top_k):
     z = np.where(keep, lp / temp, -np.inf)
     p = np.exp(z - z[keep].max())
     return p / p.sum()
+
+
+def make_dflash_drafter(folder: Path, target_folder: Path, layer_ids=(0, 2), block_size: int = 4,
+                        num_layers: int = 2, steps: int = 300, seed: int = 0,
+                        version: int = 1, **overrides) -> Path:
+    """A tiny DFlash (version 1) or DFlash 2 drafter made with the `dflash` package's own
+    PyTorch model for the transformers target in `target_folder`, trained `steps` steps on
+    the target's greedy continuations of random prompts (so that its blocks are partly
+    right), saved as the published checkpoints are (config.json + model.safetensors)."""
+    import torch
+    from dflash.model import DFlash2DraftModel, DFlashDraftModel
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_pretrained(str(target_folder), dtype=torch.float32).eval()
+    tc = target.config
+    V, H = tc.vocab_size, tc.hidden_size
+    draft = dict(mask_token_id=V - 1, target_layer_ids=list(layer_ids), block_size=block_size)
+    cfg = dict(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=num_layers,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=H // 4,
+               rms_norm_eps=1e-6, rope_theta=getattr(tc, "rope_theta", 1e6) or 1e6,
+               max_position_embeddings=tc.max_position_embeddings)
+    cfg.update(overrides)
+    if cfg.get("sliding_window"):
+        cfg["use_sliding_window"] = True  # (else Qwen3Config drops the window)
+    cls = DFlashDraftModel
+    if version == 2:
+        cls = DFlash2DraftModel
+        draft.update(conv_kernel_size=2, conv_group_size=H // 4, selector_rank=8,
+                     selector_top_k=4)
+    config = Qwen3Config(**cfg)
+    config.num_target_layers = tc.num_hidden_layers
+    config.dflash_config = draft
+    config.block_size = block_size
+    config.architectures = [cls.__name__]
+    model = cls(config).float()
+    # the target's greedy continuations: sequences of 48 tokens from 6-token random prompts
+    g = torch.Generator().manual_seed(seed + 1)
+    seqs = torch.randint(3, V - 1, (64, 6), generator=g)
+    with torch.no_grad():
+        for _ in range(42):
+            nxt = target(seqs).logits[:, -1].argmax(-1)
+            seqs = torch.cat([seqs, nxt[:, None]], dim=1)
+        out = target(seqs, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        embed = target.get_input_embeddings().weight
+    head = target.lm_head if getattr(target, "lm_head", None) is not None \
+        else target.get_output_embeddings()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    T = seqs.shape[1]
+    for step in range(steps):
+        a = int(torch.randint(6, T - block_size, (1,), generator=g))
+        rows = torch.randint(0, seqs.shape[0], (16,), generator=g)
+        block = torch.full((16, block_size), V - 1)
+        block[:, 0] = seqs[rows, a]
+        hidden = model(position_ids=torch.arange(a + block_size)[None].expand(16, -1),
+                       noise_embedding=torch.nn.functional.embedding(block, embed),
+                       target_hidden=feats[rows, :a])
+        logits = model.compute_logits(hidden[:, 1:], head)
+        labels = seqs[rows, a + 1: a + block_size]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .drafters import Drafter, EagleDrafter
+from .drafters import Drafter, head_drafter
 from .lookup import LookupDrafter, LookupSettings, build_tree, head_trie
 from .tree import Tree
 
@@ -416,7 +416,7 @@ class AdaptiveDrafter(Drafter):
         self.lookup_settings = lookup
         self.lookup = LookupDrafter(lookup) if lookup is not None else None
         self.max_lookup = min(max(LOOKUP_CHAINS), limit - 1)
-        self.drafters = {o: EagleDrafter(head, target, o.nodes, o.depth - 1, o.top_k)
+        self.drafters = {o: head_drafter(head, target, o.nodes, o.depth - 1, o.top_k)
                          for o in self.head_options}
         self.features = head.feature_taps(target) if head is not None else None
         self.max_depth = max([o.depth for o in self.head_options] +

@@ -162,3 +162,16 @@ class EagleDrafter(Drafter):
                                    [r.index for r in rows],
                                    [r.drafter.total_tokens for r in rows], self.depth,
                                    self.top_k)
+
+
+def head_drafter(head, target, total_tokens: int, depth: int, top_k: int,
+                 tree_choices=None) -> Drafter:
+    """The drafter of a head's trees: an EAGLE (or MTP) head's EAGLE-2 or static tree, a
+    block drafter's DDTree (`block.BlockDrafter`; the same sizes: `total_tokens` nodes with
+    the root, `depth` + 1 levels at most, `top_k` candidates per node or position)."""
+    if getattr(head, "block", False):
+        from .block import BlockDrafter
+
+        return BlockDrafter(head, target, total_tokens, depth, top_k)
+    return EagleDrafter(head, target, total_tokens, depth, top_k, tree_choices)
+

@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import EagleError, check, is_int
 from ..targets.target import TREE_STATE_FRACTION, machine_memory
 from .accept import KeyChain
-from .drafters import EagleDrafter
+from .drafters import head_drafter
 from .engine import SamplingParams
 from .lookup import LookupDrafter, MergedDrafter
 from .settings import GenerationSettings, static_top_k
@@ -22,6 +22,15 @@ from .tree import TreeSpec
 def check_tree(model, total_tokens, depth, draft_top_k, tree_choices) -> None:
     """The tree against the head (after loading)."""
     vocab = model.head.draft_vocab_size
+    if getattr(model.head, "block", False):  # a DDTree: any size, as deep as the block
+        check(not tree_choices, "tree_choices spells a static EAGLE-1 tree; a block drafter "
+              "drafts a DDTree (total_tokens, depth and draft_top_k set its size).")
+        levels = model.head.block_size - 1
+        check(depth + 1 <= levels, f"depth {depth} asks for {depth + 1} levels, but the block "
+              f"drafter predicts {levels} tokens a block (depth at most {levels - 1}).")
+        check(draft_top_k <= vocab,
+              f"draft_top_k {draft_top_k} exceeds the vocabulary of {vocab}.")
+        return
     check(draft_top_k <= vocab,
            f"draft_top_k {draft_top_k} exceeds the head's draft vocabulary of {vocab}.")
     if not tree_choices:  # (a tree deeper than the context left ends in plain steps)
@@ -152,7 +161,8 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
     elif not speculate:
         drafter = None
     else:
-        drafter = EagleDrafter(model.head, target, total_tokens, depth, draft_top_k, tree_choices)
+        drafter = head_drafter(model.head, target, total_tokens, depth, draft_top_k,
+                               tree_choices)
         if lookup is not None:
             drafter = MergedDrafter(drafter, LookupDrafter(lookup), total_tokens)
     return Prepared(ids, drafter, SamplingParams(temp, s.top_p, s.top_k, s.min_p), max_context,

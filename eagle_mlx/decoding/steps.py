@@ -11,7 +11,7 @@ from typing import Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from .accept import KeyChain
-from .drafters import EagleDrafter
+from .drafters import head_drafter
 from .engine import PREFILL_STEP_SIZE, Engine, SamplingParams, State, Step
 from .logprobs import score
 from ..mlxlm import generate_step
@@ -186,7 +186,8 @@ def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
                 trace: bool = False, timer: Optional[PhaseTimer] = None,
                 prompt_cache: Optional[PromptCache] = None,
                 keys: Optional[KeyChain] = None) -> Iterator[Step]:
-    """Speculative decoding with an EAGLE head (dynamic tree, or static `tree_choices`)."""
-    drafter = EagleDrafter(head, target, total_tokens, depth, draft_top_k, tree_choices)
+    """Speculative decoding with a head (dynamic tree, or static `tree_choices`; a block
+    drafter's DDTree)."""
+    drafter = head_drafter(head, target, total_tokens, depth, draft_top_k, tree_choices)
     return speculative_steps(target, drafter, prompt, sampling, max_context, trace, timer,
                              prompt_cache, keys)

@@ -19,6 +19,7 @@ from ..errors import EagleError, is_int
 from ..hub import resolve
 from ..targets.load import read_config
 from .base import HeadSource, check_weights
+from .dflash import BlockArgs, DFlashHead, is_block_config
 from .eagle import HEAD_CLASSES, ROPE_TYPES, HeadArgs
 from .layouts import family_name, translate
 from .mtp import INDEX, build_mtp, is_mtp_config, mtp_shards, read_mtp_weights
@@ -140,6 +141,8 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
         if target is not None:
             check_pair(head, target, path)
         return head
+    if is_block_config(config):
+        return build_block(config, weights, path, target)
     config, weights, layout, made_for = translate(config, dict(weights), path)
     check_head_config(config, path)
     eagle = config.get("eagle") or {}
@@ -190,6 +193,27 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
         )
     if target is not None:
         check_pair(head, target, path, embed_shape=None if embed is None else tuple(embed.shape))
+    return head
+
+
+def build_block(config: dict, weights: Dict[str, mx.array], path: Path, target=None):
+    """A block drafter (DFlash) from its config and tensors (with or without a `model.`
+    prefix), every key checked, and checked against the target where given."""
+    args = BlockArgs.from_config(config, path)
+    weights = {k[len("model."):] if k.startswith("model.") else k: v
+               for k, v in weights.items()}
+    source = HeadSource(path=path, layout="dflash", model_type=config.get("model_type"),
+                        config=config)
+    head = DFlashHead(args, source)
+    if target is not None:  # (a drafter for another target: say so before its tensors)
+        head.check_target(target, f"DFlash drafter {path}")
+    quant = config.get("quantization")
+    if quant:
+        nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
+                    class_predicate=quantize_predicate(quant["group_size"], weights))
+    check_weights(head, weights, f"DFlash drafter in {path}")
+    head.load_weights(list(weights.items()))
+    head.eval()
     return head
 
 

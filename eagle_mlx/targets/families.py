@@ -326,9 +326,13 @@ class Family:
         ffn = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
         return h + ffn(layer.post_attention_layernorm(h))
 
-    def logits(self, hidden: mx.array) -> mx.array:
-        out = self.lm.lm_head(hidden) if hasattr(self.lm, "lm_head") else \
+    def projection(self, hidden: mx.array) -> mx.array:
+        """The output projection alone (lm_head, or the tied embedding): no soft-cap."""
+        return self.lm.lm_head(hidden) if hasattr(self.lm, "lm_head") else \
             self.inner.embed_tokens.as_linear(hidden)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        out = self.projection(hidden)
         return out if self.softcap is None else mx.tanh(out / self.softcap) * self.softcap
 
 

@@ -29,6 +29,9 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 ATTENTION = AttentionMechanism()
 
 
+# the tap of the final output after the model's last norm (transformers' last hidden state)
+POST_NORM = -1
+
 TREE_STATE_FRACTION = 8  # a tree's recurrent states may take 1/8 of the machine's memory
 
 
@@ -204,6 +207,11 @@ class Target:
     def lm_head(self, hidden: mx.array) -> mx.array:
         return self.family.logits(hidden)
 
+    def output_projection(self, hidden: mx.array) -> mx.array:
+        """The output projection without the model's final soft-cap (what a block drafter
+        scores its slots with)."""
+        return self.family.projection(hidden)
+
     def __call__(
         self,
         tokens: mx.array,
@@ -220,7 +228,8 @@ class Target:
               (default: causal). A tree passes its ancestor mask here; each
               sliding-window layer narrows it to its window.
         taps: decoder layers whose *input* hidden states to return (EAGLE-3); L (the
-              number of layers) is the last layer's output, before the final norm.
+              number of layers) is the last layer's output, before the final norm;
+              `POST_NORM` the output after it (transformers' last hidden state).
         max_depth: a bound on the tree's depth below the root (recurrent layers scan
               that many levels and the root's; default T - 1).
         Returns the final hidden state after the last RMSNorm [B, T, H] and the
@@ -247,4 +256,5 @@ class Target:
         finally:
             self._rope.positions = None
         tapped[self.num_layers] = h  # "the input of layer L": the last layer's output
-        return family.inner.norm(h), [tapped[i] for i in taps]
+        tapped[POST_NORM] = out = family.inner.norm(h)
+        return out, [tapped[i] for i in taps]

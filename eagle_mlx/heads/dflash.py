@@ -1,0 +1,412 @@
+"""Block drafters: DFlash checkpoints (z-lab, `architectures: ["DFlashDraftModel"]`).
+
+A block drafter reads the outputs of several target layers (its taps) at every committed
+position and predicts a whole block of tokens in one forward pass: the block
+`[root, mask, ..., mask]` (B tokens, embedded with the target's embedding table times
+`input_embedding_scale`) runs through a few Qwen3 decoder layers whose attention also sees
+keys and values of the context, `hidden_norm(fc(concat(taps)))` projected by each layer's
+own k/v projections; slot i of the output, through the target's output projection (times
+`output_multiplier`, soft-capped by the drafter's own `final_logit_softcapping`), is the
+drafter's distribution of the token i positions after the root.
+
+Full-attention layers see the whole context and the whole block (bidirectional); sliding
+ones are causal within the block and see the context within their window. The context's
+keys and values are kept per layer (`BlockState`) for committed positions only: a block's
+rows are never kept. `draft_window` bounds what is kept to the last N positions (long
+contexts), as the checkpoint's sliding layers bound what they attend to.
+
+The drafter (`decoding.block.BlockDrafter`) turns a block's per-slot distributions into a
+chain or a DDTree.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import mlxlm
+from ..errors import EagleError
+from .base import DraftHead, HeadSource
+from .eagle import MLP, ROPE_TYPES
+
+ARCHITECTURES = ("DFlashDraftModel",)
+KV_STEP = 256  # context rows a layer's buffer grows by
+
+
+def is_block_config(config: dict) -> bool:
+    """Whether a config.json is a block drafter's (DFlash)."""
+    return any(a in ARCHITECTURES for a in config.get("architectures") or ())
+
+
+@dataclass
+class BlockArgs:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int
+    vocab_size: int
+    target_layer_ids: Tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    layer_types: Tuple[str, ...] = ()
+    sliding_window: Optional[int] = None
+    is_causal: Optional[bool] = None
+    num_target_layers: Optional[int] = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
+    draft_window: Optional[int] = None  # context positions kept (None: all)
+
+    @classmethod
+    def from_config(cls, config: dict, path: Path) -> "BlockArgs":
+        """The drafter's settings from its config.json, each checked (one sentence)."""
+        where = path / "config.json"
+        draft = config.get("dflash_config") or {}
+        if not isinstance(draft, dict):
+            raise EagleError(f"{where}: \"dflash_config\" must be an object.")
+
+        def get(key, default=None):
+            return draft.get(key, config.get(key, default))
+
+        def whole(key, value, low=1):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise EagleError(f"{where}: \"{key}\" must be a whole number of at least {low} "
+                                 f"(got {value!r}).")
+            return value
+
+        def number(key, value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise EagleError(f"{where}: \"{key}\" must be a number (got {value!r}).")
+            return float(value)
+
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                    "num_hidden_layers", "vocab_size"):
+            if key not in config:
+                raise EagleError(f"{where} has no \"{key}\": not a DFlash drafter's config.")
+            whole(key, config[key])
+        H, heads = config["hidden_size"], config["num_attention_heads"]
+        layers = config["num_hidden_layers"]
+        mask = get("mask_token_id")
+        if mask is None:
+            raise EagleError(f"{where} has no \"mask_token_id\" (in \"dflash_config\"): a "
+                             "DFlash drafter needs the token its blocks are filled with.")
+        whole("mask_token_id", mask, 0)
+        ids = get("target_layer_ids")
+        n_target = config.get("num_target_layers")
+        if n_target is not None:
+            whole("num_target_layers", n_target)
+        if ids is None:  # the reference's default spread
+            if n_target is None:
+                raise EagleError(f"{where} has neither \"target_layer_ids\" nor "
+                                 "\"num_target_layers\": which target layers it reads is "
+                                 "unknown.")
+            ids = default_layer_ids(n_target, layers)
+        if not isinstance(ids, list) or not ids or \
+                not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise EagleError(f"{where}: \"target_layer_ids\" must be a non-empty list of "
+                             f"layer numbers (got {ids!r}).")
+        types = config.get("layer_types") or ["full_attention"] * layers
+        if not isinstance(types, list) or len(types) != layers or \
+                any(t not in ("full_attention", "sliding_attention") for t in types):
+            raise EagleError(f"{where}: \"layer_types\" must list \"full_attention\" or "
+                             f"\"sliding_attention\" for each of its {layers} layers.")
+        window = config.get("sliding_window")
+        if "sliding_attention" in types:
+            if window is None:
+                raise EagleError(f"{where} has sliding_attention layers but no "
+                                 "\"sliding_window\".")
+            whole("sliding_window", window, 2)
+        params = config.get("rope_parameters") or {}
+        theta = config.get("rope_theta") or params.get("rope_theta") or 1000000.0
+        scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default")
+                                                 != "default" else None)
+        kind = scaling and (scaling.get("type") or scaling.get("rope_type"))
+        if kind and kind != "default" and kind not in ROPE_TYPES:
+            raise EagleError(f"{where}: RoPE scaling \"{kind}\" is not supported (supported: "
+                             f"{', '.join(ROPE_TYPES)}).")
+        cap = get("final_logit_softcapping")
+        causal = get("causal", get("is_causal"))
+        return cls(
+            hidden_size=H, intermediate_size=config["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=whole("num_key_value_heads",
+                                      config.get("num_key_value_heads") or heads),
+            head_dim=whole("head_dim", config.get("head_dim") or H // heads),
+            num_hidden_layers=layers, vocab_size=config["vocab_size"],
+            target_layer_ids=tuple(ids),
+            block_size=whole("block_size", get("block_size", 16), 2),
+            mask_token_id=mask,
+            rms_norm_eps=number("rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
+            rope_theta=number("rope_theta", theta),
+            rope_scaling=scaling if kind and kind != "default" else None,
+            max_position_embeddings=config.get("max_position_embeddings") or 40960,
+            attention_bias=bool(config.get("attention_bias", False)),
+            layer_types=tuple(types), sliding_window=window,
+            is_causal=None if causal is None else bool(causal),
+            num_target_layers=n_target,
+            input_embedding_scale=number("input_embedding_scale",
+                                         get("input_embedding_scale", 1.0)),
+            output_multiplier=number("output_multiplier", get("output_multiplier", 1.0)),
+            final_logit_softcapping=None if cap is None else number(
+                "final_logit_softcapping", cap),
+            draft_window=get("draft_window_size"),
+        )
+
+    def window(self, layer: int) -> Optional[int]:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def causal(self, layer: int) -> bool:
+        return self.window(layer) is not None if self.is_causal is None else self.is_causal
+
+
+def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
+    """The tap layers the reference picks where a config names none: one in the middle for
+    a single draft layer, else spread evenly over layers 1 .. L - 3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+class ContextKV:
+    """One layer's keys and values of committed context positions, in a buffer that grows
+    in steps; `base` is the position of its first row (a window keeps the last `keep`
+    positions: the buffer is compacted once it holds a step more than that)."""
+
+    def __init__(self, keep: Optional[int] = None):
+        self.keys = self.values = None
+        self.base, self.length, self.keep = 0, 0, keep
+
+    @property
+    def end(self) -> int:
+        return self.base + self.length
+
+    def append(self, k: mx.array, v: mx.array) -> None:
+        """k, v [1, kv heads, n, D] of the positions `end` .. `end + n - 1`."""
+        n = k.shape[2]
+        if self.keep is not None and self.length + n > self.keep + KV_STEP:
+            drop = self.length + n - self.keep
+            if drop >= self.length:  # everything held falls out of the window
+                k, v = k[..., n - self.keep:, :], v[..., n - self.keep:, :]
+                self.base += self.length + n - self.keep
+                self.keys = self.values = None
+                self.length, n = 0, self.keep
+            else:
+                self.keys = self.keys[..., drop: self.length, :]
+                self.values = self.values[..., drop: self.length, :]
+                self.base += drop
+                self.length -= drop
+        if self.keys is None or self.length + n > self.keys.shape[2]:
+            grow = ((self.length + n) // KV_STEP + 1) * KV_STEP
+            shape = (1, k.shape[1], grow, k.shape[3])
+            keys, values = mx.zeros(shape, k.dtype), mx.zeros(shape, v.dtype)
+            if self.length:
+                keys[..., : self.length, :] = self.keys[..., : self.length, :]
+                values[..., : self.length, :] = self.values[..., : self.length, :]
+            self.keys, self.values = keys, values
+        self.keys[..., self.length: self.length + n, :] = k
+        self.values[..., self.length: self.length + n, :] = v
+        self.length += n
+
+    def fetch(self):
+        """The rows in view (a window: the last `keep`), with the position of the first."""
+        a = 0 if self.keep is None else max(self.length - self.keep, 0)
+        return (self.keys[..., a: self.length, :], self.values[..., a: self.length, :],
+                self.base + a)
+
+    def truncate(self, position: int) -> None:
+        """Forget the positions from `position` on (before `base`: all it holds, and it
+        continues from there with less context)."""
+        if position < self.base:
+            self.base, self.length = position, 0
+        else:
+            self.length = min(self.length, position - self.base)
+
+    def arrays(self) -> list:
+        return [] if self.keys is None else [self.keys, self.values]
+
+
+class BlockState:
+    """A sequence's block-drafter state: every layer's context keys and values."""
+
+    def __init__(self, n_layers: int, keep: List[Optional[int]]):
+        self.layers = [ContextKV(k) for k in keep]
+
+    @property
+    def offset(self) -> int:
+        return self.layers[0].end
+
+    def truncate(self, length: int) -> None:
+        for c in self.layers:
+            c.truncate(length)
+
+
+class BlockAttention(nn.Module):
+    def __init__(self, args: BlockArgs, layer: int):
+        super().__init__()
+        H, D = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(H, self.n_heads * D, bias=bias)
+        self.k_proj = nn.Linear(H, self.n_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.n_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * D, H, bias=bias)
+        self.q_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+        self.scale = D ** -0.5
+        self.window, self.causal = args.window(layer), args.causal(layer)
+        self.rope = mlxlm.initialize_rope(D, args.rope_theta, False, args.rope_scaling,
+                                          args.max_position_embeddings)
+
+    def _kv(self, x: mx.array, offset: int):
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, T, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=offset), v
+
+    def context(self, ctx: mx.array, cache: ContextKV) -> None:
+        """Keep the keys and values of new context rows ctx [1, n, H] (from `cache.end`)."""
+        k, v = self._kv(ctx, cache.end)
+        cache.append(k, v)
+
+    def __call__(self, x: mx.array, cache: ContextKV, start: int) -> mx.array:
+        """The block x [1, L, H] at positions start .. start + L - 1, after the context."""
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=start)
+        k, v = self._kv(x, start)
+        S = 0
+        if cache.length:
+            ck, cv, first = cache.fetch()
+            S = ck.shape[2]
+            k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
+        mask = None
+        if self.window is not None or self.causal:
+            qpos = start + mx.arange(L)[:, None]
+            kpos = mx.concatenate([first + mx.arange(S), start + mx.arange(L)]) if S \
+                else start + mx.arange(L)
+            mask = mx.ones((L, S + L), dtype=mx.bool_)
+            if self.causal:
+                mask = mask & (kpos[None, :] <= qpos)
+            if self.window is not None:
+                mask = mask & (qpos - kpos[None, :] < self.window)
+                if not self.causal:
+                    mask = mask & (kpos[None, :] - qpos < self.window)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class BlockLayer(nn.Module):
+    def __init__(self, args: BlockArgs, layer: int):
+        super().__init__()
+        self.self_attn = BlockAttention(args, layer)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, h, cache: ContextKV, start: int):
+        h = h + self.self_attn(self.input_layernorm(h), cache, start)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashHead(DraftHead):
+    """A DFlash drafter (the module's docstring). Parameter names are the checkpoint's."""
+
+    kind = "dflash"
+    block = True  # drafts a whole block per forward (`decoding.block.BlockDrafter`)
+
+    def __init__(self, args: BlockArgs, source: Optional[HeadSource] = None):
+        super().__init__(source)
+        self.args = args
+        H = args.hidden_size
+        self.layers = [BlockLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.fc = nn.Linear(len(args.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+
+    feature_size = property(lambda self: len(self.args.target_layer_ids) * self.args.hidden_size)
+    target_width = property(lambda self: self.args.hidden_size)
+    vocab_size = property(lambda self: self.args.vocab_size)
+    draft_vocab_size = property(lambda self: self.args.vocab_size)
+    num_layers = property(lambda self: self.args.num_hidden_layers)
+    block_size = property(lambda self: self.args.block_size)
+    aux_layers = property(lambda self: self.args.target_layer_ids)
+
+    def feature_taps(self, target) -> tuple:
+        """Layer id's output is hidden_states[id + 1] in transformers (what the checkpoints
+        were trained on): the input of layer id + 1, and for the last layer the output after
+        the final norm."""
+        from ..targets.target import POST_NORM
+
+        L = target.num_layers
+        return tuple(POST_NORM if i + 1 == L else i + 1 for i in self.args.target_layer_ids)
+
+    def make_cache(self, window: Optional[int] = None) -> BlockState:
+        """A sequence's state; window: keep the last N context positions (None: the
+        checkpoint's `draft_window_size`, else all; a sliding layer keeps its window)."""
+        window = window or self.args.draft_window
+        keep = []
+        for i in range(self.args.num_hidden_layers):
+            w = self.args.window(i)
+            keep.append(w - 1 if w is not None and (window is None or w - 1 < window)
+                        else window)
+        return BlockState(self.args.num_hidden_layers, keep)
+
+    def cache_layers(self, cache) -> list:
+        return cache.layers
+
+    def add_context(self, state: BlockState, features: mx.array) -> None:
+        """The committed positions' features [m, F] (from `state.offset`) into every layer's
+        context keys and values."""
+        ctx = self.hidden_norm(self.fc(features[None]))
+        for layer, c in zip(self.layers, state.layers):
+            layer.self_attn.context(ctx, c)
+
+    def block_hidden(self, state: BlockState, root: mx.array, target, size: int) -> mx.array:
+        """The block `[root, mask x (size - 1)]` at the position after the context: the
+        output hidden states of slots 1 .. size - 1 [size - 1, H]."""
+        a = self.args
+        ids = mx.concatenate([root.reshape(1).astype(mx.int32),
+                              mx.full((size - 1,), a.mask_token_id, dtype=mx.int32)])
+        h = target.embed_tokens(ids[None])
+        if a.input_embedding_scale != 1.0:
+            h = h * mx.array(a.input_embedding_scale, h.dtype)
+        start = state.offset
+        for layer, c in zip(self.layers, state.layers):
+            h = layer(h, c, start)
+        return self.norm(h[0, 1:])
+
+    def logits(self, out_hidden: mx.array, target) -> mx.array:
+        a = self.args
+        out = target.output_projection(out_hidden)
+        if a.output_multiplier != 1.0:
+            out = out * a.output_multiplier
+        cap = a.final_logit_softcapping
+        return out if not cap else mx.tanh(out / cap) * cap
+
+    def check_target(self, target, where: str) -> None:
+        """The drafter against the target it is loaded with: one sentence each."""
+        a, L = self.args, target.num_layers
+        bad = [i for i in a.target_layer_ids if not 0 <= i < L]
+        if bad:
+            raise EagleError(f"{where} reads target layers {bad}, beyond the target's {L} "
+                             f"layers (0 .. {L - 1}).")
+        if a.num_target_layers is not None and a.num_target_layers != L:
+            raise EagleError(f"{where} was made for a target of {a.num_target_layers} layers; "
+                             f"this target has {L}.")
+        if a.hidden_size != target.hidden_size:
+            raise EagleError(f"{where} has hidden size {a.hidden_size}, but the target's is "
+                             f"{target.hidden_size}: it embeds its blocks with the target's "
+                             "embedding, so they must be equal.")
+        if not 0 <= a.mask_token_id < target.vocab_size:
+            raise EagleError(f"{where}: mask_token_id {a.mask_token_id} is outside the "
+                             f"target's vocabulary of {target.vocab_size} tokens.")

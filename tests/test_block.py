@@ -1,0 +1,318 @@
+"""Block drafters (DFlash checkpoints) and DDTree trees: against z-lab's `dflash` package
+(its PyTorch drafter's forward and its own generation loop `dflash_generate`), DDTree
+against mlx-vlm's builder of the paper's Algorithm 1, and decoding with them against
+transformers (greedy) and the target's distribution enumerated (sampling)."""
+
+import json
+import shutil
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import eagle_mlx
+from eagle_mlx import GenerationSettings
+from eagle_mlx.errors import EagleError
+from test_windows import chi_square_against_transformers, hf_greedy, hf_model
+from tiny import make_dflash_drafter, make_hf_model
+
+BLOCK = 4
+
+
+def _reference():
+    try:
+        import dflash.model as dm
+    except ImportError as e:
+        pytest.skip(f"z-lab's dflash package is not installed ({e}); README's test command "
+                    "installs it")
+    dm._cuda_time = time.perf_counter  # (its timing calls CUDA; the stats need none)
+    return dm
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny Qwen3 target and a DFlash drafter trained for it (blocks of 4)."""
+    _reference()
+    root = tmp_path_factory.mktemp("block")
+    t = make_hf_model(root / "t", "qwen3", seed=1, vocab_size=64, num_hidden_layers=3,
+                      num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=True,
+                      scale=4.0)
+    return t, make_dflash_drafter(root / "d", t, layer_ids=(0, 2), block_size=BLOCK, steps=300)
+
+
+def _tokens(model, tok, prompt, **settings):
+    rs = list(eagle_mlx.stream_generate(model, tok, prompt,
+                                        settings=GenerationSettings(**settings)))
+    return [t for r in rs for t in r.tokens], rs
+
+
+def test_chain_is_the_checkpoints_own_block_decoding(pair):
+    """draft_top_k 1 with a tree as large as the block: the tokens and every round's
+    acceptance of the package's own `dflash_generate` (its last round verifies a shorter
+    block where fewer tokens are left)."""
+    import torch
+
+    dm = _reference()
+    target_dir, draft_dir = pair
+    reference = hf_model(target_dir)
+    draft = dm.DFlashDraftModel.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(draft_dir))
+    tok.eos_token_ids = set()
+    rng = np.random.default_rng(3)
+    seen = set()
+    for _ in range(4):
+        prompt = rng.integers(3, 63, 6).tolist()
+        ref = dm.dflash_generate(draft, reference, torch.tensor([prompt]), 40, None,
+                                 return_stats=True)
+        out, rs = _tokens(model, tok, prompt, max_tokens=40, total_tokens=BLOCK,
+                          depth=BLOCK - 2, draft_top_k=1)
+        assert out == ref.output_ids[0, len(prompt):].tolist()
+        rounds = [r.accept_length + 1 for r in rs[1:]]
+        assert rounds[:-1] == ref.acceptance_lengths[:-1]
+        seen.update(rounds)
+    assert 1 in seen and BLOCK in seen  # (blocks partly right: a test of the acceptance)
+
+
+@pytest.mark.parametrize("layers", [("full_attention", "full_attention"),
+                                    ("sliding_attention", "full_attention")],
+                         ids=["full", "sliding"])
+def test_drafter_logits_match_the_reference_forward(tmp_path, layers):
+    """Every block slot's logits within 1e-4 of the package's forward over the whole
+    context, with the context given at once and then in two more pieces (the drafter keeps
+    its context's keys and values; a sliding layer sees its window of them)."""
+    import torch
+
+    dm = _reference()
+    from eagle_mlx.decoding.block import BlockDrafter
+
+    t = make_hf_model(tmp_path / "t", "qwen3", seed=2, vocab_size=64, num_hidden_layers=4,
+                      num_key_value_heads=2, rope_theta=1e6)
+    window = dict(sliding_window=5) if "sliding_attention" in layers else {}
+    d = make_dflash_drafter(tmp_path / "d", t, layer_ids=(1, 3), block_size=5, steps=0,
+                            layer_types=list(layers), **window)
+    reference = hf_model(t)
+    draft = dm.DFlashDraftModel.from_pretrained(str(d), dtype=torch.float32).eval()
+    model, _ = eagle_mlx.load(str(t), eagle=str(d))
+    head = model.head
+    ids = np.random.default_rng(0).integers(3, 63, 20).tolist()
+    with torch.no_grad():
+        hs = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i + 1] for i in (1, 3)], dim=-1)
+    drafter = BlockDrafter(head, model.target, 5, 3, 1)
+    state = drafter.new_state()
+    done = 0
+    for end in (9, 14, 19):  # committed positions 0 .. end - 1; the root at `end`
+        with torch.no_grad():
+            block = torch.full((1, 5), 63)
+            block[0, 0] = ids[end]
+            hidden = draft(position_ids=torch.arange(end + 5)[None],
+                           noise_embedding=reference.get_input_embeddings()(block),
+                           target_hidden=feats[:, :end])
+            expected = draft.compute_logits(hidden[:, 1:], reference.lm_head)[0].numpy()
+        head.add_context(state, mx.array(feats[0, done:end].numpy()))
+        done = end
+        got = head.logits(head.block_hidden(state, mx.array(ids[end]), model.target, 5),
+                          model.target)
+        np.testing.assert_allclose(np.array(got), expected, atol=1e-4, rtol=0)
+
+
+def test_ddtree_equals_mlx_vlm_builder():
+    """The tree built from given block logits is the one mlx-vlm's `build_ddtree` (the
+    paper's Algorithm 1, a best-first heap) pops, node for node (as root paths)."""
+    try:
+        from mlx_vlm.speculative.ddtree import build_ddtree as reference
+    except ImportError as e:
+        pytest.skip(f"mlx-vlm is not installed ({e}); README's test command installs it")
+    from eagle_mlx.decoding.block import build_ddtree
+    from eagle_mlx.targets.layers import log_softmax
+
+    rng = np.random.default_rng(0)
+    for L, V, budget, spread in [(3, 10, 5, 1.0), (6, 40, 20, 2.0), (15, 64, 63, 3.0),
+                                 (4, 8, 30, 0.5), (7, 50, 1, 1.0), (5, 16, 12, 6.0)]:
+        logits = mx.array(spread * rng.standard_normal((1, L + 1, V)).astype(np.float32))
+        expected = {n.token_ids for n in reference(logits, budget)}
+        tree = build_ddtree(log_softmax(logits[0, 1:]), mx.array(7), budget, budget)
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        assert tokens[0] == 7 and parents[0] == 0
+        paths = [()]
+        for i in range(1, len(tokens)):
+            assert parents[i] < i
+            paths.append(paths[parents[i]] + (tokens[i],))
+        assert len(paths) - 1 == len(expected) and set(paths[1:]) == expected, (L, V, budget)
+        # the scores are the paths' log-probabilities under the block's marginals
+        lp = np.array(log_softmax(logits[0, 1:]))
+        for p, s in zip(paths[1:], tree.scores.tolist()[1:]):
+            assert s == pytest.approx(sum(lp[d, t] for d, t in enumerate(p)), abs=1e-4)
+
+
+FAMILIES = {  # name -> (kind, target overrides, tap layers)
+    "llama": ("llama", dict(num_hidden_layers=3), (0, 2)),
+    "gemma3_swa": ("gemma3_text", dict(num_hidden_layers=4, num_key_value_heads=2,
+                                       sliding_window=4, sliding_window_pattern=2), (1, 3)),
+    "qwen3_5": ("qwen3_5", dict(num_hidden_layers=4, num_key_value_heads=2), (1, 3)),
+}
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_ddtrees_equal_transformers_on_every_family(tmp_path, name):
+    """DDTrees and chains of a drafter trained briefly for each target (a windowed family,
+    a hybrid with per-node recurrent states) give transformers' greedy tokens."""
+    _reference()
+    kind, overrides, taps = FAMILIES[name]
+    t = make_hf_model(tmp_path / "t", kind, seed=4, vocab_size=64, scale=4.0, **overrides)
+    d = make_dflash_drafter(tmp_path / "d", t, layer_ids=taps, block_size=5, steps=120)
+    model, tok = eagle_mlx.load(str(t), eagle=str(d))
+    tok.eos_token_ids = set()
+    reference = hf_model(t)
+    rng = np.random.default_rng(5)
+    for tree in (dict(total_tokens=10, depth=3, draft_top_k=3),
+                 dict(total_tokens=5, depth=3, draft_top_k=1)):
+        prompt = rng.integers(3, 63, 7).tolist()
+        out, rs = _tokens(model, tok, prompt, max_tokens=24, **tree)
+        assert out == hf_greedy(reference, prompt, 24), tree
+
+
+def test_ddtree_greedy_batch_and_prompt_cache(pair):
+    """Greedy DDTrees give transformers' tokens; batched rows are their runs alone; a
+    second turn through a prompt cache (the drafter's context cut back with the target's)
+    is a fresh run's; a draft window shorter than the context changes drafts, not tokens."""
+    target_dir, draft_dir = pair
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(draft_dir))
+    tok.eos_token_ids = set()
+    reference = hf_model(target_dir)
+    tree = dict(total_tokens=8, depth=2, draft_top_k=3)
+    prompts = [[5, 9, 13, 7, 22, 31], [40, 41, 40, 41, 12], [3, 4, 5]]
+    alone = []
+    for p in prompts:
+        out, rs = _tokens(model, tok, p, max_tokens=20, **tree)
+        assert out == hf_greedy(reference, p, 20)
+        alone.append(out)
+    settings = [GenerationSettings(max_tokens=20, **tree)] * 3
+    res = eagle_mlx.batch_generate(model, tok, prompts, settings=settings)
+    assert [r.tokens for r in res.results] == alone
+    cache = eagle_mlx.PromptCache()
+    first = [t for r in eagle_mlx.stream_generate(model, tok, prompts[0], prompt_cache=cache,
+                                                  max_tokens=12, **tree) for t in r.tokens]
+    turn = prompts[0] + first[:8] + [17, 18]  # differs from what the cache holds
+    again = [t for r in eagle_mlx.stream_generate(model, tok, turn, prompt_cache=cache,
+                                                  max_tokens=12, **tree) for t in r.tokens]
+    assert cache.reused > len(prompts[0])
+    assert again == hf_greedy(reference, turn, 12)
+    windowed, tok = eagle_mlx.load(str(target_dir), eagle=str(draft_dir), draft_window=3)
+    tok.eos_token_ids = set()
+    state = windowed.head.make_cache()
+    assert [c.keep for c in state.layers] == [3, 3]
+    out, _ = _tokens(windowed, tok, prompts[1], max_tokens=20, **tree)
+    assert out == alone[1]
+    with pytest.raises(EagleError, match="draft_window must be a positive whole number"):
+        eagle_mlx.load(str(target_dir), eagle=str(draft_dir), draft_window=0)
+
+
+@pytest.mark.long
+def test_sampling_with_ddtrees_is_lossless(pair):
+    """The first three tokens sampled (temperature 0.7, top-k 5, top-p 0.9) through DDTrees
+    of 10 nodes have the distribution transformers' logits give, enumerated exactly."""
+    p = chi_square_against_transformers(*pair, [40, 41, 40, 41, 40], runs=600)
+    assert p > 1e-3, p
+
+
+def _edited(src, dst, **changes):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    draft = config["dflash_config"]
+    for k, v in changes.items():
+        (draft if k in ("target_layer_ids", "mask_token_id") else config)[k] = v
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(target_layer_ids=[0, 5]), "reads target layers [5], beyond the target's 3 layers"),
+    (dict(mask_token_id=64), "mask_token_id 64 is outside the target's vocabulary"),
+    (dict(num_target_layers=36), "made for a target of 36 layers"),
+    (dict(layer_types=["sliding_attention", "full_attention"]),
+     "sliding_attention layers but no \"sliding_window\""),
+    (dict(hidden_size=32), "hidden size 32"),
+], ids=["taps", "mask", "target-layers", "window", "hidden"])
+def test_drafters_that_do_not_fit_are_refused_in_one_sentence(pair, tmp_path, changes, says):
+    target_dir, draft_dir = pair
+    d = _edited(draft_dir, tmp_path / "d", **changes)
+    with pytest.raises(EagleError, match=says.replace("[", r"\[").replace("]", r"\]")):
+        eagle_mlx.load(str(target_dir), eagle=str(d))
+
+
+def test_static_trees_and_depths_beyond_the_block_are_refused(pair):
+    target_dir, draft_dir = pair
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(draft_dir))
+    with pytest.raises(EagleError, match="a block drafter drafts a DDTree"):
+        eagle_mlx.generate(model, tok, [5, 6], max_tokens=4, tree_choices=[[0], [0, 0]])
+    with pytest.raises(EagleError, match="predicts 3 tokens a block"):
+        eagle_mlx.generate(model, tok, [5, 6], max_tokens=4, total_tokens=8, depth=3)
+
+
+def test_convert_writes_a_folder_read_back_identically(pair, tmp_path):
+    """`convert --eagle <DFlash drafter>` writes an MLX folder whose blocks are the
+    checkpoint's, bit for bit (float32), and a quantized one that drafts the same chains
+    here; the speculators layout, which holds EAGLE-3 heads only, is refused."""
+    from test_cli import cli, one_sentence
+
+    target_dir, draft_dir = pair
+    out, quant = tmp_path / "mlx", tmp_path / "q8"
+    proc = cli("convert", "--eagle", draft_dir, "--mlx-path", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "DFlash drafter (blocks of 4), reading target layers [0, 2]" in proc.stdout
+    proc = cli("convert", "--eagle", draft_dir, "--mlx-path", quant, "-q", "--q-bits", "8",
+               "--q-group-size", "32")
+    assert proc.returncode == 0, proc.stderr
+    one_sentence(cli("convert", "--eagle", draft_dir, "--mlx-path", tmp_path / "s",
+                     "--layout", "speculators"), 1, "holds EAGLE-3 heads")
+    assert not (tmp_path / "s").exists()
+    ref, tok = eagle_mlx.load(str(target_dir), eagle=str(draft_dir))
+    tok.eos_token_ids = set()
+    feats = mx.array(np.random.default_rng(1).standard_normal((9, 128)).astype(np.float32))
+    expected = None
+    for d in (draft_dir, out, quant):
+        model, _ = eagle_mlx.load(str(target_dir), eagle=str(d))
+        head = model.head
+        state = head.make_cache()
+        head.add_context(state, feats)
+        got = np.array(head.logits(head.block_hidden(state, mx.array(5), model.target, 4),
+                                   model.target))
+        if expected is None:
+            expected = got
+        elif d == out:
+            assert np.array_equal(got, expected)
+        else:  # (dequantized on loading: float32 on the CPU)
+            assert json.loads((quant / "config.json").read_text())["quantization"]["bits"] == 8
+            assert "layers.0.mlp.gate_proj.scales" in mx.load(str(quant / "model.safetensors"))
+            assert not np.array_equal(got, expected)
+            np.testing.assert_allclose(got, expected, atol=0.1)
+    tree = dict(total_tokens=4, depth=2, draft_top_k=1)
+    assert _tokens(model, tok, [4, 9, 30, 26, 56, 34], max_tokens=16, **tree)[0] == \
+        _tokens(ref, tok, [4, 9, 30, 26, 56, 34], max_tokens=16, **tree)[0]
+
+
+def test_a_draft_window_attends_to_the_last_positions_only(pair):
+    """With a window of N, a block sees the context of the last N positions only: its
+    logits are those of a drafter given just those positions' features (at their
+    positions), however much context came before; without it they differ."""
+    target_dir, draft_dir = pair
+    model, _ = eagle_mlx.load(str(target_dir), eagle=str(draft_dir))
+    head, target = model.head, model.target
+    feats = mx.array(np.random.default_rng(2).standard_normal((300, 128)).astype(np.float32))
+
+    def block(state):
+        return np.array(head.logits(head.block_hidden(state, mx.array(5), target, 4), target))
+
+    windowed = head.make_cache(window=5)
+    for a in range(0, 300, 37):  # (in pieces, past the buffer's compaction)
+        head.add_context(windowed, feats[a: a + 37])
+    assert windowed.offset == 300 and windowed.layers[0].base > 0
+    last = head.make_cache()  # (at positions 0..4: rotary attention sees only distances)
+    head.add_context(last, feats[295:])
+    whole = head.make_cache()
+    head.add_context(whole, feats)
+    np.testing.assert_allclose(block(windowed), block(last), atol=1e-5)
+    assert not np.allclose(block(windowed), block(whole), atol=1e-3)
