@@ -31,14 +31,31 @@ def _reference():
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A tiny Qwen3 target and a DFlash drafter trained for it (blocks of 4)."""
+def target(tmp_path_factory):
     _reference()
-    root = tmp_path_factory.mktemp("block")
-    t = make_hf_model(root / "t", "qwen3", seed=1, vocab_size=64, num_hidden_layers=3,
-                      num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=True,
-                      scale=4.0)
-    return t, make_dflash_drafter(root / "d", t, layer_ids=(0, 2), block_size=BLOCK, steps=300)
+    return make_hf_model(tmp_path_factory.mktemp("block") / "t", "qwen3", seed=1,
+                         vocab_size=64, num_hidden_layers=3, num_key_value_heads=2,
+                         rope_theta=1e6, tie_word_embeddings=True, scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def pair(target):
+    """A tiny Qwen3 target and a DFlash drafter trained for it (blocks of 4)."""
+    return target, make_dflash_drafter(target.parent / "d", target, layer_ids=(0, 2),
+                                       block_size=BLOCK, steps=300)
+
+
+@pytest.fixture(scope="module")
+def pair2(target):
+    """The same target and a DFlash 2 drafter (dynamic convolutions, a candidate selector)
+    trained for it."""
+    return target, make_dflash_drafter(target.parent / "d2", target, layer_ids=(0, 2),
+                                       block_size=BLOCK, steps=300, version=2)
+
+
+@pytest.fixture(params=[1, 2], ids=["dflash", "dflash2"])
+def either(request, pair, pair2):
+    return request.param, (pair if request.param == 1 else pair2)
 
 
 def _tokens(model, tok, prompt, **settings):
@@ -47,16 +64,17 @@ def _tokens(model, tok, prompt, **settings):
     return [t for r in rs for t in r.tokens], rs
 
 
-def test_chain_is_the_checkpoints_own_block_decoding(pair):
+def test_chain_is_the_checkpoints_own_block_decoding(either):
     """draft_top_k 1 with a tree as large as the block: the tokens and every round's
     acceptance of the package's own `dflash_generate` (its last round verifies a shorter
-    block where fewer tokens are left)."""
+    block where fewer tokens are left), for DFlash and DFlash 2 (its selector's chain)."""
     import torch
 
     dm = _reference()
-    target_dir, draft_dir = pair
+    version, (target_dir, draft_dir) = either
     reference = hf_model(target_dir)
-    draft = dm.DFlashDraftModel.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    cls = dm.DFlash2DraftModel if version == 2 else dm.DFlashDraftModel
+    draft = cls.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
     model, tok = eagle_mlx.load(str(target_dir), eagle=str(draft_dir))
     tok.eos_token_ids = set()
     rng = np.random.default_rng(3)
@@ -211,11 +229,52 @@ def test_ddtree_greedy_batch_and_prompt_cache(pair):
 
 
 @pytest.mark.long
-def test_sampling_with_ddtrees_is_lossless(pair):
+@pytest.mark.parametrize("tree", [(10, 3, 3), (4, 2, 1), "dflash2"],
+                         ids=["ddtree", "drawn-chain", "dflash2-selector"])
+def test_sampling_with_block_drafters_is_lossless(pair, pair2, tree):
     """The first three tokens sampled (temperature 0.7, top-k 5, top-p 0.9) through DDTrees
-    of 10 nodes have the distribution transformers' logits give, enumerated exactly."""
-    p = chi_square_against_transformers(*pair, [40, 41, 40, 41, 40], runs=600)
+    of 10 nodes (deterministic candidates), and through chains drawn from the block (or by
+    DFlash 2's selector) and accepted with min(1, p/q), have the distribution transformers'
+    logits give, enumerated exactly."""
+    from eagle_mlx.decoding.steps import eagle_steps
+
+    sizes = (4, 2, 1) if tree == "dflash2" else tree
+
+    def steps(target, head, prompt, sampling, **_):
+        return eagle_steps(target, head, prompt, sampling, *sizes)
+
+    p = chi_square_against_transformers(*(pair2 if tree == "dflash2" else pair),
+                                        [40, 41, 40, 41, 40], runs=600, steps=steps)
     assert p > 1e-3, p
+
+
+def test_a_drawn_chain_is_drawn_from_the_block(pair):
+    """At temperature > 0 a chain's tokens are draws from the block's distributions under the
+    generation's settings (the sequence's seed repeats them, other seeds differ), and the
+    tree carries those distributions for its acceptance."""
+    from eagle_mlx.decoding.accept import KeyChain
+    from eagle_mlx.decoding.block import BlockDrafter
+    from eagle_mlx.decoding.engine import Engine, SamplingParams
+
+    target_dir, draft_dir = pair
+    model, _ = eagle_mlx.load(str(target_dir), eagle=str(draft_dir))
+    drafter = BlockDrafter(model.head, model.target, 4, 2, 1)
+    engine = Engine(model.target, drafter, SamplingParams(temp=1.0, top_k=5), 512)
+
+    def first_tree(seed):
+        state = engine.new_state()
+        state.keys = KeyChain.start(seed)
+        engine.prefill(state, [4, 9, 30, 26, 56, 34])
+        tree = engine.draft(state)
+        return tree.tokens.tolist(), np.exp(np.array(tree.q[1:]))
+
+    tokens, q = first_tree(1)
+    assert tokens == first_tree(1)[0]
+    assert len({tuple(first_tree(s)[0]) for s in range(2, 12)}) > 1
+    assert q.shape == (3, 64)
+    np.testing.assert_allclose(q.sum(axis=1), 1.0, atol=1e-5)
+    assert ((q > 0).sum(axis=1) <= 5).all()  # (top-k 5: the target's filters apply)
+    assert all(q[i, t] > 0 for i, t in enumerate(tokens[1:]))
 
 
 def _edited(src, dst, **changes):
@@ -316,3 +375,40 @@ def test_a_draft_window_attends_to_the_last_positions_only(pair):
     head.add_context(whole, feats)
     np.testing.assert_allclose(block(windowed), block(last), atol=1e-5)
     assert not np.allclose(block(windowed), block(whole), atol=1e-3)
+
+
+def test_dflash2_blocks_and_selector_match_the_reference(pair2):
+    """DFlash 2: every slot's logits within 1e-4 of the package's forward (its dynamic
+    convolutions around attention and MLP), the selector's greedy chain its `propose`'s, and
+    the first slot's sampling distribution over its candidates the package's."""
+    import torch
+
+    dm = _reference()
+    target_dir, draft_dir = pair2
+    reference = hf_model(target_dir)
+    draft = dm.DFlash2DraftModel.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    model, _ = eagle_mlx.load(str(target_dir), eagle=str(draft_dir))
+    head = model.head
+    ids = np.random.default_rng(4).integers(3, 63, 12).tolist()
+    with torch.no_grad():
+        hs = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[1], hs[3]], dim=-1)
+        block = torch.full((1, BLOCK), 63)
+        block[0, 0] = ids[11]
+        hidden = draft(position_ids=torch.arange(11 + BLOCK)[None],
+                       noise_embedding=reference.get_input_embeddings()(block),
+                       target_hidden=feats[:, :11])[:, 1:]
+        logits = draft.compute_logits(hidden, reference.lm_head)[0].numpy()
+        tokens, cand, _ = draft.propose(hidden, block[:, 0], reference.lm_head, 0.0)
+        _, cand_t, q = draft.propose(hidden, block[:, 0], reference.lm_head, 0.7)
+    state = head.make_cache()
+    head.add_context(state, mx.array(feats[0, :11].numpy()))
+    ours_h = head.block_hidden(state, mx.array(ids[11]), model.target, BLOCK)
+    ours = head.logits(ours_h, model.target)
+    np.testing.assert_allclose(np.array(ours), logits, atol=1e-4, rtol=0)
+    chain, _ = head.candidate_selector.walk(ours_h, ours, mx.array(ids[11]))
+    assert chain.tolist() == tokens[0].tolist()
+    _, lq = head.candidate_selector.walk(ours_h, ours, mx.array(ids[11]), 0.7, mx.random.key(0))
+    expected = np.zeros(64)
+    expected[cand_t[0, 0].numpy()] = q[0, 0].numpy()
+    np.testing.assert_allclose(np.exp(np.array(lq[0])), expected, atol=1e-5)

@@ -282,6 +282,12 @@ def make_dflash_drafter(folder: Path, target_folder: Path, layer_ids=(0, 2), blo
     config.block_size = block_size
     config.architectures = [cls.__name__]
     model = cls(config).float()
+    if version == 2:  # (its convolutions' base kernels are left uninitialised: near identity)
+        with torch.no_grad():
+            for layer in model.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel.normal_(0.0, 0.05)
+                    conv.base_kernel[:, 0] += 1.0
     # the target's greedy continuations: sequences of 48 tokens from 6-token random prompts
     g = torch.Generator().manual_seed(seed + 1)
     seqs = torch.randint(3, V - 1, (64, 6), generator=g)

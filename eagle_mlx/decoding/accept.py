@@ -98,6 +98,33 @@ def _accept_sampling(tokens, parents, anc, depth, logprobs, key_u=None, key_c=No
     return best, mx.random.categorical(mx.log(residual), key=key_c)
 
 
+def accept_drawn(tree: Tree, logprobs: mx.array, key=None):
+    """A chain whose tokens were drawn from the drafter's distributions `tree.q` (rows [N, V],
+    row i the distribution of node i) -> (deepest accepted node, next token): node i is kept
+    with probability min(1, p(x) / q(x)) while every earlier one is, and after the first
+    rejection the next token comes from norm(max(0, p - q)) (Leviathan et al.), so the output
+    is the target's distribution."""
+    args = (tree.tokens, tree.parents, tree.anc, tree.depth, logprobs, tree.q)
+    if key is None:
+        return compiled(_accept_drawn, random=True)(*args)
+    return compiled(_accept_drawn)(*args, *mx.random.split(key))
+
+
+def _accept_drawn(tokens, parents, anc, depth, logprobs, q, key_u=None, key_c=None):
+    n = tokens.shape[0]
+    idx = mx.arange(n)
+    probs = mx.exp(logprobs)
+    qp = mx.exp(q)
+    p_x = probs[parents, tokens]
+    q_x = qp[idx, tokens]
+    kept = mx.random.uniform(shape=(n,), key=key_u) * q_x < p_x
+    best = _deepest(anc, depth, kept | (idx == 0))
+    child = ((parents == best) & (idx > 0)).astype(qp.dtype)       # the rejected one, if any
+    residual = mx.maximum(probs[best] - (child[:, None] * qp).sum(axis=0), 0.0)
+    residual = mx.where(residual.sum() > 0, residual, probs[best])
+    return best, mx.random.categorical(mx.log(residual), key=key_c)
+
+
 class KeyChain:
     """The random keys of one sequence's draws, one after another from a start key: a
     sequence draws the same numbers whether it runs alone or in a batch (MLX's global

@@ -313,7 +313,7 @@ class BatchGenerator:
             draft_rows = [DraftRow(b, rows[b].engine.drafter, rows[b].state) for b in members]
             drafted = draft_rows[0].drafter.propose_batch(draft_rows, self.head_caches)
             for b, t in zip(members, drafted):
-                trees[b] = t
+                trees[b] = rows[b].engine.sampled(rows[b].state, t)
         return trees
 
     def _verify(self, rows, trees, speculative):

@@ -13,7 +13,9 @@ prefix, so that the set is closed under prefixes whatever the scores. With top_k
 tree is the chain of the block's most likely tokens: the checkpoint's own block decoding.
 
 The tree's nodes are deterministic candidates, so the engine's acceptance (greedy, or
-recursive rejection with q(x) = 1 over siblings) keeps the output exactly the target's.
+recursive rejection with q(x) = 1 over siblings) keeps the output exactly the target's. A chain
+(top_k 1) is drawn from the block's distributions when sampling (`Engine.sampled`) and accepted
+with min(1, p/q), as the checkpoints' own decoding does.
 """
 
 from typing import List, Optional
@@ -126,5 +128,32 @@ class BlockDrafter(Drafter):
         return log_softmax(self.head.logits(hidden, self.target).astype(mx.float32))
 
     def propose(self, state, features, tokens, root) -> Tree:
+        if self.head.selects:  # DFlash 2: its selector's chain
+            return self._selected(state, features, root)
         lp = self.block_logprobs(state, features, root)
-        return build_ddtree(lp, root, self.total_tokens - 1, self.top_k, self.levels)
+        tree = build_ddtree(lp, root, self.total_tokens - 1, self.top_k, self.levels)
+        if self.top_k == 1:  # a chain: when sampling, drawn from the block as the references do
+            chain = lp[: tree.tokens.shape[0] - 1]
+
+            def draw(sampling, key):
+                q = sampling.logprobs(chain)
+                return mx.random.categorical(q, key=key), q
+
+            tree.draw = draw
+        return tree
+
+    def _selected(self, state, features, root) -> Tree:
+        """DFlash 2: the chain its candidate selector walks through the block's top
+        candidates (greedy), or draws at the generation's temperature when sampling."""
+        if features is not None and features.shape[0]:
+            self.head.add_context(state, features)
+        n = min(self.levels, self.total_tokens - 1)
+        hidden = self.head.block_hidden(state, root, self.target, n + 1)
+        logits = self.head.logits(hidden, self.target).astype(mx.float32)
+        select = self.head.candidate_selector.walk
+        chain, _ = select(hidden, logits, root)
+        parents = mx.arange(-1, n, dtype=mx.int32).at[0].add(1)       # 0, 0, 1, ..., n - 1
+        tree = Tree(mx.concatenate([root.reshape(1).astype(chain.dtype), chain]), parents,
+                    ancestors(parents, n), mx.arange(n + 1), mx.zeros((n + 1,)))
+        tree.draw = lambda sampling, key: select(hidden, logits, root, sampling.temp, key)
+        return tree

@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .accept import KeyChain, accept_greedy, accept_sampling, process_logits
+from .accept import KeyChain, accept_drawn, accept_greedy, accept_sampling, process_logits
 from .logprobs import TokenLogprob, score
 from .tree import Tree
 
@@ -261,7 +261,20 @@ class Engine:
 
     def draft(self, state: State) -> Tree:
         """1. the drafter catches up on the new positions and proposes a tree."""
-        return self.drafter.propose(state.drafter, state.feats, state.tokens, state.root)
+        return self.sampled(state, self.drafter.propose(state.drafter, state.feats,
+                                                        state.tokens, state.root))
+
+    def sampled(self, state: State, tree: Tree) -> Tree:
+        """A chain the drafter leaves to be drawn (`Tree.draw`): when sampling, its tokens
+        drawn by the drafter under this generation's settings with the sequence's key;
+        greedy, as proposed."""
+        if tree.draw is None or self.sampling.temp == 0:
+            return tree
+        drawn, q = tree.draw(self.sampling, state.key())
+        tokens = mx.concatenate([tree.tokens[:1], drawn.astype(tree.tokens.dtype)])
+        q = mx.concatenate([mx.zeros_like(q[:1]), q])
+        return Tree(tokens, tree.parents, tree.anc, tree.depth, tree.scores, tree.levels,
+                    q=q)
 
     def plain_pass(self, state: State, token: mx.array) -> Verified:
         """The target's forward over one token [1] after what the caches hold, as mlx-lm's
@@ -286,6 +299,8 @@ class Engine:
         (key: the draw's random key when sampling)."""
         if self.sampling.temp == 0:
             best, bonus = accept_greedy(tree, verified.logits)
+        elif tree.q is not None:  # drawn from the drafter: min(1, p/q)
+            best, bonus = accept_drawn(tree, self.sampling.logprobs(verified.logits), key)
         else:
             best, bonus = accept_sampling(tree, self.sampling.logprobs(verified.logits), key)
         return tree.anc[best], bonus

@@ -39,6 +39,12 @@ class Tree:
     depth: mx.array
     scores: Optional[mx.array] = None
     levels: Optional[int] = None  # a bound on its depth below the root (None: the drafter's)
+    # a chain whose tokens are drawn when sampling (`Engine.sampled`): draw(sampling, key) ->
+    # (its tokens below the root [N - 1], the log-probabilities they were drawn from
+    # [N - 1, V]); `q`: those distributions after the draw [N, V] (row 0 unused), which
+    # acceptance then reads
+    draw: Optional[object] = None
+    q: Optional[mx.array] = None
 
 
 def tree_from_parents(tokens: mx.array, parents: mx.array, scores: mx.array,

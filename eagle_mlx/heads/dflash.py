@@ -31,7 +31,7 @@ from ..errors import EagleError
 from .base import DraftHead, HeadSource
 from .eagle import MLP, ROPE_TYPES
 
-ARCHITECTURES = ("DFlashDraftModel",)
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 KV_STEP = 256  # context rows a layer's buffer grows by
 
 
@@ -65,6 +65,11 @@ class BlockArgs:
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
     draft_window: Optional[int] = None  # context positions kept (None: all)
+    version: int = 1                     # 2: DFlash 2 (dynamic convolutions, a selector)
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
 
     @classmethod
     def from_config(cls, config: dict, path: Path) -> "BlockArgs":
@@ -135,6 +140,18 @@ class BlockArgs:
                              f"{', '.join(ROPE_TYPES)}).")
         cap = get("final_logit_softcapping")
         causal = get("causal", get("is_causal"))
+        version = 2 if "DFlash2DraftModel" in (config.get("architectures") or ()) else 1
+        two = {}
+        if version == 2:
+            for key in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                        "selector_top_k"):
+                if get(key) is None:
+                    raise EagleError(f"{where} is a DFlash 2 drafter without \"{key}\" (in "
+                                     "\"dflash_config\").")
+                two[key] = whole(key, get(key))
+            if H % two["conv_group_size"]:
+                raise EagleError(f"{where}: conv_group_size {two['conv_group_size']} does not "
+                                 f"divide hidden_size {H}.")
         return cls(
             hidden_size=H, intermediate_size=config["intermediate_size"],
             num_attention_heads=heads,
@@ -159,6 +176,7 @@ class BlockArgs:
             final_logit_softcapping=None if cap is None else number(
                 "final_logit_softcapping", cap),
             draft_window=get("draft_window_size"),
+            version=version, **two,
         )
 
     def window(self, layer: int) -> Optional[int]:
@@ -305,6 +323,38 @@ class BlockAttention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+class DynamicConv(nn.Module):
+    """DFlash 2's grouped dynamic causal convolution along the block (position 0: the root):
+    out[t] = sum over offsets o of (base[o] + dynamic[t, o, group]) * x[t - o], the dynamic
+    kernels projected from the input, one set before a sublayer and one after it."""
+
+    def __init__(self, hidden: int, kernel: int, group: int):
+        super().__init__()
+        self.kernel, self.group = kernel, group
+        self.base_kernel = mx.zeros((2, kernel, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel * (hidden // group), bias=False)
+
+    def _convolve(self, x, dynamic, base):
+        B, L, H = x.shape
+        G = H // self.group
+        blocks = x.reshape(B, L, G, self.group)
+        out = mx.zeros_like(blocks)
+        for o in range(self.kernel):
+            shifted = blocks if o == 0 else mx.pad(blocks[:, : L - o], [(0, 0), (o, 0), (0, 0),
+                                                                         (0, 0)])
+            out = out + (base[o].reshape(1, 1, G, self.group) + dynamic[:, :, o, :, None]) \
+                * shifted
+        return out.reshape(B, L, H)
+
+    def prepare(self, x):
+        B, L, H = x.shape
+        dynamic = self.kernel_projection(x).reshape(B, L, 2, self.kernel, H // self.group)
+        return self._convolve(x, dynamic[:, :, 0], self.base_kernel[0]), dynamic[:, :, 1]
+
+    def finish(self, x, dynamic):
+        return self._convolve(x, dynamic, self.base_kernel[1])
+
+
 class BlockLayer(nn.Module):
     def __init__(self, args: BlockArgs, layer: int):
         super().__init__()
@@ -312,16 +362,69 @@ class BlockLayer(nn.Module):
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        if args.version == 2:
+            H, K, G = args.hidden_size, args.conv_kernel_size, args.conv_group_size
+            self.attention_conv = DynamicConv(H, K, G)
+            self.mlp_conv = DynamicConv(H, K, G)
+
+    def _sublayer(self, conv, fn, x):
+        if conv is None:
+            return fn(x)
+        x, dynamic = conv.prepare(x)
+        return conv.finish(fn(x), dynamic)
 
     def __call__(self, h, cache: ContextKV, start: int):
-        h = h + self.self_attn(self.input_layernorm(h), cache, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self._sublayer(getattr(self, "attention_conv", None),
+                               lambda x: self.self_attn(x, cache, start),
+                               self.input_layernorm(h))
+        return h + self._sublayer(getattr(self, "mlp_conv", None), self.mlp,
+                                  self.post_attention_layernorm(h))
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's walk over each slot's top-k candidates: a candidate scores its logit plus
+    a low-rank affinity with the token chosen before it (predecessor and successor
+    codebooks, weighted by the slot's projected hidden state)."""
+
+    def __init__(self, args: BlockArgs):
+        super().__init__()
+        self.top_k = args.selector_top_k
+        self.predecessor_codebook = nn.Embedding(args.vocab_size, args.selector_rank)
+        self.successor_codebook = nn.Embedding(args.vocab_size, args.selector_rank)
+        self.hidden_projection = nn.Linear(args.hidden_size, args.selector_rank, bias=False)
+
+    def walk(self, hidden, logits, anchor, temp: float = 0.0, key=None):
+        """hidden [L, H] and logits [L, V] of slots 1..L after the root `anchor`: the chain
+        (tokens [L]) and, when sampling (temp > 0, with `key`), the distribution each token
+        was drawn from as log-probabilities over the vocabulary [L, V] (-inf outside the
+        slot's candidates)."""
+        L, V = logits.shape
+        k = min(self.top_k, V)
+        cand = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
+        unary = mx.take_along_axis(logits, cand, axis=-1)
+        h = self.hidden_projection(hidden)
+        succ = self.successor_codebook(cand)                              # [L, k, r]
+        keys = [None] * L if key is None else list(mx.random.split(key, L))
+        prev, tokens, qs = anchor.reshape(()), [], []
+        for i in range(L):
+            scores = unary[i] + succ[i] @ (self.predecessor_codebook(prev) * h[i])
+            if temp > 0:
+                lq = scores / temp
+                lq = lq - mx.logsumexp(lq)
+                j = mx.random.categorical(lq, key=keys[i])
+                qs.append(mx.put_along_axis(mx.full((V,), -mx.inf, dtype=lq.dtype),
+                                            cand[i], lq, axis=0))
+            else:
+                j = mx.argmax(scores)
+            prev = cand[i][j]
+            tokens.append(prev)
+        return mx.stack(tokens), (mx.stack(qs) if qs else None)
 
 
 class DFlashHead(DraftHead):
-    """A DFlash drafter (the module's docstring). Parameter names are the checkpoint's."""
+    """A DFlash or DFlash 2 drafter (the module's docstring). Parameter names are the
+    checkpoint's."""
 
-    kind = "dflash"
     block = True  # drafts a whole block per forward (`decoding.block.BlockDrafter`)
 
     def __init__(self, args: BlockArgs, source: Optional[HeadSource] = None):
@@ -332,6 +435,11 @@ class DFlashHead(DraftHead):
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.fc = nn.Linear(len(args.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        if args.version == 2:
+            self.candidate_selector = CandidateSelector(args)
+
+    kind = property(lambda self: "dflash2" if self.args.version == 2 else "dflash")
+    selects = property(lambda self: self.args.version == 2)  # drafts its selector's chain
 
     feature_size = property(lambda self: len(self.args.target_layer_ids) * self.args.hidden_size)
     target_width = property(lambda self: self.args.hidden_size)

@@ -202,6 +202,10 @@ def build_block(config: dict, weights: Dict[str, mx.array], path: Path, target=N
     args = BlockArgs.from_config(config, path)
     weights = {k[len("model."):] if k.startswith("model.") else k: v
                for k, v in weights.items()}
+    for name in ("predecessor_codebook", "successor_codebook"):  # (DFlash 2: raw tensors)
+        raw = f"candidate_selector.{name}"
+        if raw in weights:
+            weights[raw + ".weight"] = weights.pop(raw)
     source = HeadSource(path=path, layout="dflash", model_type=config.get("model_type"),
                         config=config)
     head = DFlashHead(args, source)
@@ -211,7 +215,8 @@ def build_block(config: dict, weights: Dict[str, mx.array], path: Path, target=N
     if quant:
         nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
                     class_predicate=quantize_predicate(quant["group_size"], weights))
-    check_weights(head, weights, f"DFlash drafter in {path}")
+    check_weights(head, weights, f"{'DFlash 2' if args.version == 2 else 'DFlash'} drafter "
+                                 f"in {path}")
     head.load_weights(list(weights.items()))
     head.eval()
     return head
