@@ -314,7 +314,9 @@ def describe_head(head) -> str:
     """The head's kind, the layout it was read from and the target layers it reads."""
     layout = head.source.layout
     if getattr(head, "block", False):
-        text = f"{'DFlash 2' if head.selects else 'DFlash'} drafter (blocks of {head.block_size})"
+        from .heads.dflash import head_name
+
+        text = f"{head_name(head)} drafter (blocks of {head.block_size})"
     else:
         text = f"{head.kind} head" + (f" ({layout} layout)" if layout and layout != "eagle_mlx"
                                       else "")

@@ -80,7 +80,7 @@ class EagleModel:
         tuning = self.batch_tuning(batch) or self.tuning or {}
         default = DEFAULT_TREE
         if getattr(self.head, "block", False):  # a DDTree as deep as the drafter's block
-            default = default.replace(depth=self.head.block_size - 2)
+            default = default.replace(depth=self.head.predicts - 1)
         return default.replace(**{k: tuning[k] for k in default.asdict() if k in tuning})
 
 

@@ -15,7 +15,7 @@ import eagle_mlx
 from eagle_mlx import GenerationSettings
 from eagle_mlx.errors import EagleError
 from test_windows import chi_square_against_transformers, hf_greedy, hf_model
-from tiny import make_dflash_drafter, make_hf_model
+from tiny import make_dflash_drafter, make_dspark_drafter, make_hf_model
 
 BLOCK = 4
 
@@ -51,6 +51,29 @@ def pair2(target):
     trained for it."""
     return target, make_dflash_drafter(target.parent / "d2", target, layer_ids=(0, 2),
                                        block_size=BLOCK, steps=300, version=2)
+
+
+def _dspark():
+    try:
+        from mlx_dspark.config import DSparkConfig
+        from mlx_dspark.model import DSparkDrafter
+    except ImportError as e:
+        pytest.skip(f"mlx-dspark is not installed ({e}); README's test command installs it")
+    return DSparkConfig, DSparkDrafter
+
+
+@pytest.fixture(scope="module")
+def dspark(pair):
+    """DSpark drafters for the pair's target (mlx-dspark's module, the DFlash drafter's
+    backbone, a Markov head): predicting from slot 1 as DeepSpec's and as speculators'
+    configs say it, and the same weights declared to predict from slot 0."""
+    _dspark()
+    target_dir, draft_dir = pair
+    root = draft_dir.parent
+    return {name: make_dspark_drafter(root / f"ds-{name}", target_dir, draft_dir,
+                                      logits_start=start, speculators=spec)
+            for name, start, spec in (("deepspec", 1, False), ("speculators", 1, True),
+                                      ("slot0", 0, False))}
 
 
 @pytest.fixture(params=[1, 2], ids=["dflash", "dflash2"])
@@ -229,21 +252,24 @@ def test_ddtree_greedy_batch_and_prompt_cache(pair):
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("tree", [(10, 3, 3), (4, 2, 1), "dflash2"],
-                         ids=["ddtree", "drawn-chain", "dflash2-selector"])
-def test_sampling_with_block_drafters_is_lossless(pair, pair2, tree):
+@pytest.mark.parametrize("tree", [(10, 3, 3), (4, 2, 1), "dflash2", "dspark"],
+                         ids=["ddtree", "drawn-chain", "dflash2-selector", "dspark-markov"])
+def test_sampling_with_block_drafters_is_lossless(request, pair, pair2, tree):
     """The first three tokens sampled (temperature 0.7, top-k 5, top-p 0.9) through DDTrees
     of 10 nodes (deterministic candidates), and through chains drawn from the block (or by
     DFlash 2's selector) and accepted with min(1, p/q), have the distribution transformers'
     logits give, enumerated exactly."""
     from eagle_mlx.decoding.steps import eagle_steps
 
-    sizes = (4, 2, 1) if tree == "dflash2" else tree
+    sizes = (4, 2, 1) if isinstance(tree, str) else tree
 
     def steps(target, head, prompt, sampling, **_):
         return eagle_steps(target, head, prompt, sampling, *sizes)
 
-    p = chi_square_against_transformers(*(pair2 if tree == "dflash2" else pair),
+    drafters = {"dflash2": pair2[1]}
+    if tree == "dspark":
+        drafters["dspark"] = request.getfixturevalue("dspark")["deepspec"]
+    p = chi_square_against_transformers(pair[0], drafters.get(tree, pair[1]),
                                         [40, 41, 40, 41, 40], runs=600, steps=steps)
     assert p > 1e-3, p
 
@@ -412,3 +438,75 @@ def test_dflash2_blocks_and_selector_match_the_reference(pair2):
     expected = np.zeros(64)
     expected[cand_t[0, 0].numpy()] = q[0, 0].numpy()
     np.testing.assert_allclose(np.exp(np.array(lq[0])), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["deepspec", "speculators", "slot0"])
+def test_dspark_blocks_and_markov_chains_match_mlx_dspark(pair, dspark, name):
+    """DSpark (DeepSpec's layout and speculators', predicting from slot 1 or slot 0): the
+    first predicting slot as mlx-dspark reads the config, every predicted slot's logits and
+    the Markov head's greedy chain as mlx-dspark's drafter computes them from the same
+    context."""
+    DSparkConfig, DSparkDrafter = _dspark()
+    target_dir, _ = pair
+    folder = dspark[name]
+    ref_config = DSparkConfig.from_json(str(folder / "config.json"))
+    reference = DSparkDrafter(ref_config)
+    reference.load_weights(str(folder / "model.safetensors"))
+    model, _ = eagle_mlx.load(str(target_dir), eagle=str(folder))
+    head = model.head
+    assert head.kind == "dspark" and head.args.logits_start == ref_config.logits_start
+    n = head.predicts
+    assert n == BLOCK - ref_config.logits_start
+    feats = mx.array(np.random.default_rng(6).standard_normal((11, 128)).astype(np.float32))
+    caches = reference.make_ctx_cache()
+    reference.update_context(feats[None], 0, caches)
+    hidden = reference.backbone(reference.embed(mx.array([[7] + [63] * (BLOCK - 1)])), 11,
+                                caches)
+    expected = reference.compute_logits(reference.head_slice(hidden, n))[0]
+    state = head.make_cache()
+    head.add_context(state, feats[:4])  # (in two pieces)
+    head.add_context(state, feats[4:])
+    ours = head.predict_hidden(state, mx.array(7), model.target, n)
+    logits = head.logits(ours, model.target)
+    np.testing.assert_allclose(np.array(logits), np.array(expected), atol=1e-5, rtol=0)
+    assert head.chain(ours, logits, mx.array(7))[0].tolist() == \
+        reference.sample_block(expected, 7).tolist()
+
+
+def test_dspark_decodes_exactly_and_reads_the_slot_its_config_names(pair, dspark):
+    """Greedy DSpark chains give transformers' tokens; the same weights declared to predict
+    from slot 0 (the wrong slot for them) give the same tokens at a lower tau — what a
+    misread `logits_start` costs, silently, in a peer."""
+    target_dir, _ = pair
+    reference = hf_model(target_dir)
+    taus = {}
+    for name in ("deepspec", "slot0"):
+        model, tok = eagle_mlx.load(str(target_dir), eagle=str(dspark[name]))
+        tok.eos_token_ids = set()
+        accepted = []
+        for prompt in ([4, 9, 30, 26, 56, 34], [40, 41, 40, 41, 12]):
+            out, rs = _tokens(model, tok, prompt, max_tokens=20, total_tokens=BLOCK,
+                              depth=BLOCK - 3, draft_top_k=1)
+            assert out == hf_greedy(reference, prompt, 20), name
+            accepted += [r.accept_length for r in rs[1:]]
+        taus[name] = 1 + float(np.mean(accepted))
+    assert taus["deepspec"] > taus["slot0"] + 0.5, taus
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(model_type="gemma4_text"), "a Gemma-4-flavoured backbone"),
+    (dict(log_snr_conditioning=True), "log-SNR conditioning"),
+    (dict(has_lm_head=False), "the target's lm_head in place of its own"),
+    (dict(logits_start=2), "\"logits_start\" must be 0 or 1"),
+    (dict(vocab_size=80), "has a vocabulary of 80 tokens; the target.s has 64"),
+], ids=["gemma4", "log-snr", "no-lm-head", "slot", "vocab"])
+def test_dspark_variants_it_cannot_read_are_refused_in_one_sentence(pair, dspark, tmp_path,
+                                                                    changes, says):
+    target_dir, _ = pair
+    d = tmp_path / "d"
+    shutil.copytree(dspark["deepspec"], d)
+    config = json.loads((d / "config.json").read_text())
+    config.update(changes)
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EagleError, match=says):
+        eagle_mlx.load(str(target_dir), eagle=str(d))

@@ -319,3 +319,71 @@ def make_dflash_drafter(folder: Path, target_folder: Path, layer_ids=(0, 2), blo
     model.eval()
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+def make_dspark_drafter(folder: Path, target_folder: Path, dflash_folder: Path,
+                        logits_start: int = 1, speculators: bool = False, seed: int = 0) -> Path:
+    """A tiny DSpark drafter (DeepSpec's Qwen3 layout, or vLLM speculators' with
+    `speculators`) built with mlx-dspark's own module: the backbone of the DFlash drafter in
+    `dflash_folder` (trained for the target: its blocks are partly right), the target's
+    embedding as its own embedding and lm_head, a random Markov head of rank 8 (small, so
+    the drafts stay the backbone's) and a confidence head."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_dspark.config import DSparkConfig
+    from mlx_dspark.model import DSparkDrafter
+
+    dflash = json.loads((dflash_folder / "config.json").read_text())
+    tconf = json.loads((target_folder / "config.json").read_text())
+    V, H = tconf["vocab_size"], tconf["hidden_size"]
+    draft = dflash["dflash_config"]
+    block = draft["block_size"]
+    conf = DSparkConfig(
+        family="qwen3", hidden_size=H, vocab_size=V, num_hidden_layers=dflash["num_hidden_layers"],
+        intermediate_size=dflash["intermediate_size"], rms_norm_eps=1e-6,
+        num_attention_heads=dflash["num_attention_heads"],
+        num_key_value_heads=dflash["num_key_value_heads"], head_dim=dflash["head_dim"],
+        attention_k_eq_v=False, rope_theta=1e6, rope_type="default", block_size=block,
+        mask_token_id=draft["mask_token_id"], logits_start=logits_start,
+        target_layer_ids=list(draft["target_layer_ids"]),
+        num_target_layers=tconf["num_hidden_layers"], markov_rank=8,
+        final_logit_softcapping=None, mlp_activation="silu", norm_style="qwen",
+        use_v_norm=False)
+    mx.random.seed(seed)
+    model = DSparkDrafter(conf)
+    weights = dict(tree_flatten(model.parameters()))
+    weights.update(mx.load(str(dflash_folder / "model.safetensors")))
+    target = mx.load(str(target_folder / "model.safetensors"))
+    embed = target["model.embed_tokens.weight"]
+    weights["embed_tokens.weight"] = embed
+    weights["lm_head.weight"] = target.get("lm_head.weight", embed)
+    weights["markov_head.markov_w2.weight"] = 0.01 * weights["markov_head.markov_w2.weight"]
+    model.load_weights(list(weights.items()))
+    config = dict(architectures=["Qwen3DSparkModel"], model_type="qwen3", hidden_size=H,
+                  vocab_size=V, num_hidden_layers=conf.num_hidden_layers,
+                  intermediate_size=conf.intermediate_size,
+                  num_attention_heads=conf.num_attention_heads,
+                  num_key_value_heads=conf.num_key_value_heads, head_dim=conf.head_dim,
+                  rms_norm_eps=1e-6, rope_theta=1e6, block_size=block,
+                  mask_token_id=conf.mask_token_id, target_layer_ids=conf.target_layer_ids,
+                  num_target_layers=conf.num_target_layers, markov_rank=8,
+                  markov_head_type="vanilla", enable_confidence_head=True,
+                  confidence_head_with_markov=True, logits_start=logits_start)
+    if speculators:  # the same drafter as vLLM speculators packs it
+        layer = {k: config.pop(k) for k in ("model_type", "hidden_size", "vocab_size",
+                                            "num_hidden_layers", "intermediate_size",
+                                            "num_attention_heads", "num_key_value_heads",
+                                            "head_dim", "rms_norm_eps")}
+        layer["rope_parameters"] = {"rope_theta": 1e6, "rope_type": "default"}
+        start = config.pop("logits_start")
+        config = dict(speculators_model_type="dspark", transformer_layer_config=layer,
+                      aux_hidden_state_layer_ids=config.pop("target_layer_ids"),
+                      speculators_config={"algorithm": "dspark", "proposal_methods": [
+                          {"speculative_tokens": block - start}]},
+                      **{k: config[k] for k in ("block_size", "mask_token_id", "markov_rank",
+                                                "markov_head_type", "enable_confidence_head",
+                                                "confidence_head_with_markov")})
+    folder.mkdir(parents=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder

@@ -99,7 +99,7 @@ class BlockDrafter(Drafter):
                  window: Optional[int] = None):
         self.head, self.target = head, target
         self.total_tokens, self.top_k, self.window = total_tokens, top_k, window
-        self.levels = max(1, min(depth + 1, head.block_size - 1, total_tokens - 1))
+        self.levels = max(1, min(depth + 1, head.predicts, total_tokens - 1))
         self.max_depth = self.levels
         self.features = head.feature_taps(target)
 
@@ -124,11 +124,11 @@ class BlockDrafter(Drafter):
         log-probabilities of the next `levels` positions [levels, V]."""
         if features is not None and features.shape[0]:
             self.head.add_context(state, features)
-        hidden = self.head.block_hidden(state, root, self.target, self.levels + 1)
+        hidden = self.head.predict_hidden(state, root, self.target, self.levels)
         return log_softmax(self.head.logits(hidden, self.target).astype(mx.float32))
 
     def propose(self, state, features, tokens, root) -> Tree:
-        if self.head.selects:  # DFlash 2: its selector's chain
+        if self.head.selects:  # DFlash 2's selector, DSpark's Markov head: a chain
             return self._selected(state, features, root)
         lp = self.block_logprobs(state, features, root)
         tree = build_ddtree(lp, root, self.total_tokens - 1, self.top_k, self.levels)
@@ -143,17 +143,17 @@ class BlockDrafter(Drafter):
         return tree
 
     def _selected(self, state, features, root) -> Tree:
-        """DFlash 2: the chain its candidate selector walks through the block's top
-        candidates (greedy), or draws at the generation's temperature when sampling."""
+        """A chain walked slot by slot (DFlash 2's candidate selector, DSpark's Markov head):
+        the best-scored walk, or drawn under the generation's settings when sampling."""
         if features is not None and features.shape[0]:
             self.head.add_context(state, features)
         n = min(self.levels, self.total_tokens - 1)
-        hidden = self.head.block_hidden(state, root, self.target, n + 1)
+        hidden = self.head.predict_hidden(state, root, self.target, n)
         logits = self.head.logits(hidden, self.target).astype(mx.float32)
-        select = self.head.candidate_selector.walk
+        select = self.head.chain
         chain, _ = select(hidden, logits, root)
         parents = mx.arange(-1, n, dtype=mx.int32).at[0].add(1)       # 0, 0, 1, ..., n - 1
         tree = Tree(mx.concatenate([root.reshape(1).astype(chain.dtype), chain]), parents,
                     ancestors(parents, n), mx.arange(n + 1), mx.zeros((n + 1,)))
-        tree.draw = lambda sampling, key: select(hidden, logits, root, sampling.temp, key)
+        tree.draw = lambda sampling, key: select(hidden, logits, root, sampling, key)
         return tree

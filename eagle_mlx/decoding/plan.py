@@ -25,7 +25,7 @@ def check_tree(model, total_tokens, depth, draft_top_k, tree_choices) -> None:
     if getattr(model.head, "block", False):  # a DDTree: any size, as deep as the block
         check(not tree_choices, "tree_choices spells a static EAGLE-1 tree; a block drafter "
               "drafts a DDTree (total_tokens, depth and draft_top_k set its size).")
-        levels = model.head.block_size - 1
+        levels = model.head.predicts
         check(depth + 1 <= levels, f"depth {depth} asks for {depth + 1} levels, but the block "
               f"drafter predicts {levels} tokens a block (depth at most {levels - 1}).")
         check(draft_top_k <= vocab,

@@ -31,13 +31,64 @@ from ..errors import EagleError
 from .base import DraftHead, HeadSource
 from .eagle import MLP, ROPE_TYPES
 
-ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "Qwen3DSparkModel")
 KV_STEP = 256  # context rows a layer's buffer grows by
 
 
 def is_block_config(config: dict) -> bool:
-    """Whether a config.json is a block drafter's (DFlash)."""
-    return any(a in ARCHITECTURES for a in config.get("architectures") or ())
+    """Whether a config.json is a block drafter's (DFlash, DFlash 2, DSpark)."""
+    return any(a in ARCHITECTURES or "DSpark" in str(a)
+               for a in config.get("architectures") or ()) or _is_speculators_dspark(config)
+
+
+def _is_speculators_dspark(config: dict) -> bool:
+    spec = config.get("speculators_config") or {}
+    return (config.get("speculators_model_type") or spec.get("algorithm")) == "dspark"
+
+
+# DSpark variants another packaging or fork adds, refused in one sentence each: (what the
+# config says, what it means)
+_DSPARK_UNSUPPORTED = (
+    (lambda c: "gemma4" in str(c.get("model_type", "")), "a Gemma-4-flavoured backbone"),
+    (lambda c: c.get("model_type") == "qwen3_5" or c.get("enable_qwen35_gated_q_proj"),
+     "a Qwen3.5-flavoured backbone (gated queries, offset norms)"),
+    (lambda c: (c.get("dflash_config") or {}).get("projector_type") == "dspark",
+     "SpecForge's packaging"),
+    (lambda c: c.get("log_snr_conditioning"), "log-SNR conditioning"),
+    (lambda c: c.get("attention_sink_bias"), "attention sinks"),
+    (lambda c: c.get("dflash_query_causal"), "a causal block"),
+    (lambda c: c.get("has_lm_head") is False, "the target's lm_head in place of its own"),
+    (lambda c: c.get("markov_head_type", "vanilla") != "vanilla", "a non-vanilla Markov head"),
+)
+
+
+def _from_speculators(c: dict, where) -> dict:
+    """A vLLM speculators DSpark config in DeepSpec's key names: the backbone from
+    `transformer_layer_config`, the taps from `aux_hidden_state_layer_ids`, the first
+    predicting slot from the proposal's width (`block_size - speculative_tokens`), else
+    `sample_from_anchor`, else 1 (the DFlash lineage)."""
+    layer = c.get("transformer_layer_config")
+    taps = c.get("aux_hidden_state_layer_ids")
+    if not isinstance(layer, dict) or not taps:
+        raise EagleError(f"{where} is a speculators DSpark config without "
+                         f"{'transformer_layer_config' if not isinstance(layer, dict) else 'aux_hidden_state_layer_ids'}.")
+    out = dict(layer)
+    out.update({k: c[k] for k in ("block_size", "mask_token_id", "markov_rank",
+                                  "markov_head_type", "enable_confidence_head",
+                                  "confidence_head_with_markov", "final_logit_softcapping",
+                                  "draft_vocab_size") if k in c})
+    out["target_layer_ids"] = list(taps)
+    out["architectures"] = ["Qwen3DSparkModel"]
+    props = (c.get("speculators_config") or {}).get("proposal_methods") or []
+    width = props[0].get("speculative_tokens") if props and isinstance(props[0], dict) else None
+    block = out.get("block_size")
+    if isinstance(width, int) and isinstance(block, int) and 0 <= block - width < block:
+        out["logits_start"] = block - width
+    elif isinstance(c.get("sample_from_anchor"), bool):
+        out["logits_start"] = 0 if c["sample_from_anchor"] else 1
+    else:
+        out["logits_start"] = 1
+    return out
 
 
 @dataclass
@@ -66,6 +117,12 @@ class BlockArgs:
     final_logit_softcapping: Optional[float] = None
     draft_window: Optional[int] = None  # context positions kept (None: all)
     version: int = 1                     # 2: DFlash 2 (dynamic convolutions, a selector)
+    dspark: bool = False                 # DSpark: own embedding and head, a Markov head
+    logits_start: int = 1                # the block slot of the first prediction
+    draft_vocab_size: Optional[int] = None
+    markov_rank: int = 0
+    confidence: bool = False
+    confidence_with_markov: bool = True
     conv_kernel_size: int = 0
     conv_group_size: int = 0
     selector_rank: int = 0
@@ -75,6 +132,14 @@ class BlockArgs:
     def from_config(cls, config: dict, path: Path) -> "BlockArgs":
         """The drafter's settings from its config.json, each checked (one sentence)."""
         where = path / "config.json"
+        if _is_speculators_dspark(config):
+            config = _from_speculators(config, where)
+        dspark = any("DSpark" in str(a) for a in config.get("architectures") or ())
+        if dspark:
+            for test, what in _DSPARK_UNSUPPORTED:
+                if test(config):
+                    raise EagleError(f"{where} is a DSpark drafter with {what}, which eagle_mlx "
+                                     "does not read yet.")
         draft = config.get("dflash_config") or {}
         if not isinstance(draft, dict):
             raise EagleError(f"{where}: \"dflash_config\" must be an object.")
@@ -142,6 +207,24 @@ class BlockArgs:
         causal = get("causal", get("is_causal"))
         version = 2 if "DFlash2DraftModel" in (config.get("architectures") or ()) else 1
         two = {}
+        if dspark:
+            start = config.get("logits_start")
+            if start is None and isinstance(config.get("sample_from_anchor"), bool):
+                start = 0 if config["sample_from_anchor"] else 1
+            start = 0 if start is None else start
+            if start not in (0, 1):
+                raise EagleError(f"{where}: \"logits_start\" must be 0 or 1 (got {start!r}).")
+            dv = config.get("draft_vocab_size")
+            if dv is not None:
+                whole("draft_vocab_size", dv)
+            rank = config.get("markov_rank", 256)
+            whole("markov_rank", rank, 0)
+            two = dict(dspark=True, logits_start=start,
+                       draft_vocab_size=None if dv in (None, config["vocab_size"]) else dv,
+                       markov_rank=rank,
+                       confidence=bool(config.get("enable_confidence_head", True)),
+                       confidence_with_markov=bool(config.get("confidence_head_with_markov",
+                                                              True)))
         if version == 2:
             for key in ("conv_kernel_size", "conv_group_size", "selector_rank",
                         "selector_top_k"):
@@ -251,6 +334,11 @@ class ContextKV:
 
     def arrays(self) -> list:
         return [] if self.keys is None else [self.keys, self.values]
+
+
+def head_name(head) -> str:
+    """How sentences name a block drafter: DFlash, DFlash 2 or DSpark."""
+    return {"dflash": "DFlash", "dflash2": "DFlash 2", "dspark": "DSpark"}[head.kind]
 
 
 class BlockState:
@@ -421,6 +509,29 @@ class CandidateSelector(nn.Module):
         return mx.stack(tokens), (mx.stack(qs) if qs else None)
 
 
+class MarkovHead(nn.Module):
+    """DSpark's sequential bias: logits of slot i += w2(w1[token before it])."""
+
+    def __init__(self, vocab: int, rank: int, out: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, out, bias=False)
+
+    def __call__(self, prev: mx.array) -> mx.array:
+        return self.markov_w2(self.markov_w1(prev))
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's estimate that a slot's token survives verification given the ones before."""
+
+    def __init__(self, dims: int):
+        super().__init__()
+        self.proj = nn.Linear(dims, 1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.proj(x)[..., 0]
+
+
 class DFlashHead(DraftHead):
     """A DFlash or DFlash 2 drafter (the module's docstring). Parameter names are the
     checkpoint's."""
@@ -437,9 +548,27 @@ class DFlashHead(DraftHead):
         self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         if args.version == 2:
             self.candidate_selector = CandidateSelector(args)
+        if args.dspark:
+            V = args.vocab_size
+            out = args.draft_vocab_size or V
+            self.embed_tokens = nn.Embedding(V, H)
+            self.lm_head = nn.Linear(H, out, bias=False)
+            if args.draft_vocab_size:
+                self.d2t = mx.zeros((out,), dtype=mx.int64)
+            if args.markov_rank:
+                self.markov_head = MarkovHead(V, args.markov_rank, out)
+            if args.confidence:
+                extra = args.markov_rank if args.confidence_with_markov else 0
+                self.confidence_head = ConfidenceHead(H + extra)
 
-    kind = property(lambda self: "dflash2" if self.args.version == 2 else "dflash")
-    selects = property(lambda self: self.args.version == 2)  # drafts its selector's chain
+    kind = property(lambda self: "dspark" if self.args.dspark else
+                    "dflash2" if self.args.version == 2 else "dflash")
+    # drafts a chain walked position by position (DFlash 2's selector, DSpark's Markov head)
+    # (and a DSpark drafter over a reduced vocabulary: its draft ids are mapped as it walks)
+    selects = property(lambda self: self.args.version == 2 or bool(self.args.markov_rank)
+                       or bool(self.args.draft_vocab_size))
+    # the most tokens one block predicts
+    predicts = property(lambda self: self.args.block_size - self.args.logits_start)
 
     feature_size = property(lambda self: len(self.args.target_layer_ids) * self.args.hidden_size)
     target_width = property(lambda self: self.args.hidden_size)
@@ -479,22 +608,72 @@ class DFlashHead(DraftHead):
         for layer, c in zip(self.layers, state.layers):
             layer.self_attn.context(ctx, c)
 
-    def block_hidden(self, state: BlockState, root: mx.array, target, size: int) -> mx.array:
+    def block_hidden(self, state: BlockState, root: mx.array, target, size: int,
+                     first: int = 1) -> mx.array:
         """The block `[root, mask x (size - 1)]` at the position after the context: the
-        output hidden states of slots 1 .. size - 1 [size - 1, H]."""
+        output hidden states of slots `first` .. size - 1."""
         a = self.args
         ids = mx.concatenate([root.reshape(1).astype(mx.int32),
                               mx.full((size - 1,), a.mask_token_id, dtype=mx.int32)])
-        h = target.embed_tokens(ids[None])
+        h = (self.embed_tokens if a.dspark else target.embed_tokens)(ids[None])
         if a.input_embedding_scale != 1.0:
             h = h * mx.array(a.input_embedding_scale, h.dtype)
         start = state.offset
         for layer, c in zip(self.layers, state.layers):
             h = layer(h, c, start)
-        return self.norm(h[0, 1:])
+        return self.norm(h[0, first:])
+
+    def predict_hidden(self, state: BlockState, root: mx.array, target, n: int) -> mx.array:
+        """The hidden states [n, H] that predict the n tokens after the root: DFlash runs a
+        block of n + 1 slots (its first n of n + 1 predictions); DSpark its whole trained block
+        (bidirectional: a shorter one is another distribution), read from `logits_start`."""
+        if not self.args.dspark:
+            return self.block_hidden(state, root, target, n + 1)
+        s = self.args.logits_start
+        return self.block_hidden(state, root, target, self.args.block_size, first=s)[: n]
+
+    def to_target_ids(self, draft_ids: mx.array) -> mx.array:
+        if "d2t" not in self:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids].astype(draft_ids.dtype)
+
+    def chain(self, hidden, logits, root, sampling=None, key=None):
+        """The chain walked slot by slot (`selects`): DFlash 2's selector, or DSpark's
+        Markov bias on the token chosen before. Greedy: (tokens [n], None); sampling (with the
+        generation's `SamplingParams` and a key): (tokens, the target-vocabulary
+        log-probabilities each was drawn from [n, V])."""
+        if self.args.version == 2:
+            return self.candidate_selector.walk(hidden, logits, root,
+                                                0.0 if sampling is None else sampling.temp, key)
+        n = logits.shape[0]
+        keys = [None] * n if key is None else list(mx.random.split(key, n))
+        prev, tokens, qs = root.reshape(1), [], []
+        for i in range(n):
+            step = logits[i] + self.markov_head(prev)[0] if "markov_head" in self else logits[i]
+            if sampling is None:
+                nxt = mx.argmax(step, keepdims=True)
+            else:
+                q = sampling.logprobs(step)
+                nxt = mx.random.categorical(q, key=keys[i]).reshape(1)
+                qs.append(self._widen(q))
+            prev = self.to_target_ids(nxt)
+            tokens.append(prev)
+        return mx.concatenate(tokens), (mx.stack(qs) if qs else None)
+
+    def _widen(self, q: mx.array) -> mx.array:
+        """Draft-vocabulary log-probabilities over the target's vocabulary (-inf elsewhere)."""
+        if "d2t" not in self:
+            return q
+        ids = mx.arange(q.shape[-1]) + self.d2t.astype(mx.int32)
+        return mx.put_along_axis(mx.full((self.args.vocab_size,), -mx.inf, dtype=q.dtype),
+                                 ids, q, axis=0)
 
     def logits(self, out_hidden: mx.array, target) -> mx.array:
         a = self.args
+        if a.dspark:
+            out = self.lm_head(out_hidden)
+            cap = a.final_logit_softcapping
+            return out if not cap else mx.tanh(out / cap) * cap
         out = target.output_projection(out_hidden)
         if a.output_multiplier != 1.0:
             out = out * a.output_multiplier
@@ -513,8 +692,11 @@ class DFlashHead(DraftHead):
                              f"this target has {L}.")
         if a.hidden_size != target.hidden_size:
             raise EagleError(f"{where} has hidden size {a.hidden_size}, but the target's is "
-                             f"{target.hidden_size}: it embeds its blocks with the target's "
-                             "embedding, so they must be equal.")
+                             f"{target.hidden_size}: it reads the target's layers at its own "
+                             "width, so they must be equal.")
+        if a.dspark and a.vocab_size != target.vocab_size:
+            raise EagleError(f"{where} has a vocabulary of {a.vocab_size} tokens; the target's "
+                             f"has {target.vocab_size}.")
         if not 0 <= a.mask_token_id < target.vocab_size:
             raise EagleError(f"{where}: mask_token_id {a.mask_token_id} is outside the "
                              f"target's vocabulary of {target.vocab_size} tokens.")

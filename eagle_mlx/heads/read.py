@@ -19,7 +19,7 @@ from ..errors import EagleError, is_int
 from ..hub import resolve
 from ..targets.load import read_config
 from .base import HeadSource, check_weights
-from .dflash import BlockArgs, DFlashHead, is_block_config
+from .dflash import BlockArgs, DFlashHead, head_name, is_block_config
 from .eagle import HEAD_CLASSES, ROPE_TYPES, HeadArgs
 from .layouts import family_name, translate
 from .mtp import INDEX, build_mtp, is_mtp_config, mtp_shards, read_mtp_weights
@@ -202,6 +202,9 @@ def build_block(config: dict, weights: Dict[str, mx.array], path: Path, target=N
     args = BlockArgs.from_config(config, path)
     weights = {k[len("model."):] if k.startswith("model.") else k: v
                for k, v in weights.items()}
+    weights.pop("t2d", None)  # (DSpark over a reduced vocabulary: d2t says it all)
+    if "d2t" in weights:
+        weights["d2t"] = weights["d2t"].astype(mx.int64)
     for name in ("predecessor_codebook", "successor_codebook"):  # (DFlash 2: raw tensors)
         raw = f"candidate_selector.{name}"
         if raw in weights:
@@ -210,13 +213,12 @@ def build_block(config: dict, weights: Dict[str, mx.array], path: Path, target=N
                         config=config)
     head = DFlashHead(args, source)
     if target is not None:  # (a drafter for another target: say so before its tensors)
-        head.check_target(target, f"DFlash drafter {path}")
+        head.check_target(target, f"{head_name(head)} drafter {path}")
     quant = config.get("quantization")
     if quant:
         nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
                     class_predicate=quantize_predicate(quant["group_size"], weights))
-    check_weights(head, weights, f"{'DFlash 2' if args.version == 2 else 'DFlash'} drafter "
-                                 f"in {path}")
+    check_weights(head, weights, f"{head_name(head)} drafter in {path}")
     head.load_weights(list(weights.items()))
     head.eval()
     return head
