@@ -126,6 +126,9 @@ def add_draft_vocab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-window", type=int, default=None,
                    help="block drafters: keep the context of the last N positions only (long "
                         "contexts; default: the checkpoint's window, else all)")
+    p.add_argument("--draft-confidence", type=float, default=None,
+                   help="DSpark drafters: end each cycle's chain where its confidence head gives "
+                        "it less than this chance of surviving verification (0 < P < 1)")
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
@@ -232,6 +235,10 @@ def load_from_args(args):
     window = getattr(args, "draft_window", None)
     if window is not None and window < 1:
         raise UsageError(f"--draft-window must be a positive number of positions (got {window}).")
+    confidence = getattr(args, "draft_confidence", None)
+    if confidence is not None and not 0 < confidence < 1:
+        raise UsageError(f"--draft-confidence must be a probability between 0 and 1 (got "
+                         f"{confidence}).")
     demo_vocab = False  # the demo's EAGLE-1 head drafts over its measured vocabulary
     if model_path is None:
         model_path, demo_head = demo_paths()
@@ -242,7 +249,7 @@ def load_from_args(args):
     # an explicit --draft-vocab 0 also overrides the benchmark's tuned choice
     model, tokenizer = load(model_path, eagle=eagle_path, dtype=args.dtype,
                             draft_vocab=0 if draft_vocab == 0 else None, group=group,
-                            lookup=lookup, draft_window=window)
+                            lookup=lookup, draft_window=window, draft_confidence=confidence)
     if demo_vocab:
         draft_vocab = demo_draft_vocab(model.head)
     if draft_vocab and model.head is not None:

@@ -87,7 +87,7 @@ class EagleModel:
 def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
          dtype: Optional[str] = None, draft_vocab: Optional[int] = None,
          draft_vocab_data: Optional[str] = None, group=None, lookup=None,
-         draft_window: Optional[int] = None):
+         draft_window: Optional[int] = None, draft_confidence: Optional[float] = None):
     """Load a target (folder, Hugging Face repo id or GGUF file) and, optionally, its EAGLE head.
 
     `eagle` may be a converted MLX head folder or a published PyTorch one (converted in
@@ -106,6 +106,8 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     branches of the head's tree within its node budget; False: never.
     draft_window: a block drafter keeps the context of the last N positions only (long
     contexts: its draft cost stays bounded; None: the checkpoint's own window, else all).
+    draft_confidence: a DSpark drafter's chain ends, each cycle, where its confidence head
+    says it survives verification with less than this probability (None: never).
     Returns (EagleModel, tokenizer); with eagle=None and no lookup decoding is plain.
     """
     convert_to = resolve_dtype(dtype)
@@ -119,6 +121,11 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     check(draft_window is None or (is_int(draft_window) and draft_window > 0),
           f"draft_window must be a positive whole number of positions or None (got "
           f"{draft_window!r}).", "draft_window")
+    check(draft_confidence is None or (isinstance(draft_confidence, (int, float)) and
+                                       not isinstance(draft_confidence, bool) and
+                                       0 < draft_confidence < 1),
+          f"draft_confidence must be a probability between 0 and 1 or None (got "
+          f"{draft_confidence!r}).", "draft_confidence")
     if group is not None and group.size() < 2:
         group = None
     auto = lookup is not False
@@ -142,6 +149,12 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
         check(getattr(head, "block", False), "draft_window applies to block drafters "
               f"(DFlash); {eagle} is a {head.kind} head.", "draft_window")
         head.args.draft_window = int(draft_window)
+    if draft_confidence is not None:
+        check(getattr(head, "block", False) and "confidence_head" in head,
+              f"draft_confidence applies to DSpark drafters with a confidence head; {eagle} is "
+              f"a {head.kind} {'drafter without one' if getattr(head, 'block', False) else 'head'}.",
+              "draft_confidence")
+        head.args.confidence_threshold = float(draft_confidence)
     if convert_to is not None:
         convert_dtype(head, convert_to)
         if not lazy:

@@ -14,6 +14,7 @@ import pytest
 import eagle_mlx
 from eagle_mlx import GenerationSettings
 from eagle_mlx.errors import EagleError
+from conftest import PATTERN3
 from test_windows import chi_square_against_transformers, hf_greedy, hf_model
 from tiny import make_dflash_drafter, make_dspark_drafter, make_hf_model
 
@@ -192,14 +193,21 @@ FAMILIES = {  # name -> (kind, target overrides, tap layers)
     "gemma3_swa": ("gemma3_text", dict(num_hidden_layers=4, num_key_value_heads=2,
                                        sliding_window=4, sliding_window_pattern=2), (1, 3)),
     "qwen3_5": ("qwen3_5", dict(num_hidden_layers=4, num_key_value_heads=2), (1, 3)),
+    "gpt_oss_swa": ("gpt_oss", dict(num_hidden_layers=4, num_key_value_heads=2,
+                                    sliding_window=8), (1, 3)),
+    "gemma4_swa": ("gemma4_text", dict(num_hidden_layers=6, num_key_value_heads=2,
+                                       sliding_window=8, layer_types=PATTERN3,
+                                       num_kv_shared_layers=2, final_logit_softcapping=30.0),
+                   (1, 5)),
 }
 
 
 @pytest.mark.long
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_ddtrees_equal_transformers_on_every_family(tmp_path, name):
-    """DDTrees and chains of a drafter trained briefly for each target (a windowed family,
-    a hybrid with per-node recurrent states) give transformers' greedy tokens."""
+    """DDTrees and chains of a drafter trained briefly for each target (windowed families,
+    attention sinks, KV sharing with a soft-capped target whose last layer is tapped after its
+    norm, a hybrid with per-node recurrent states) give transformers' greedy tokens."""
     _reference()
     kind, overrides, taps = FAMILIES[name]
     t = make_hf_model(tmp_path / "t", kind, seed=4, vocab_size=64, scale=4.0, **overrides)
@@ -510,3 +518,67 @@ def test_dspark_variants_it_cannot_read_are_refused_in_one_sentence(pair, dspark
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(EagleError, match=says):
         eagle_mlx.load(str(target_dir), eagle=str(d))
+
+
+def test_dspark_confidence_ends_chains_where_survival_drops(pair, dspark):
+    """The confidence head's survival of a chain is mlx-dspark's (sigmoid of its confidence
+    logits, multiplied along the chain); with `draft_confidence` each cycle's chain ends where
+    it falls below the threshold, shorter chains that still give transformers' tokens."""
+    _, DSparkDrafter = _dspark()
+    from mlx_dspark.config import DSparkConfig
+
+    target_dir, _ = pair
+    folder = dspark["deepspec"]
+    reference = DSparkDrafter(DSparkConfig.from_json(str(folder / "config.json")))
+    reference.load_weights(str(folder / "model.safetensors"))
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(folder))
+    head = model.head
+    hidden = mx.array(np.random.default_rng(8).standard_normal((3, 64)).astype(np.float32))
+    chain = mx.array([9, 17, 4])
+    expected = np.cumprod(np.array(mx.sigmoid(reference.confidence_logits(
+        hidden, mx.array([7, 9, 17])))))
+    np.testing.assert_allclose(np.array(head.survival(hidden, chain, mx.array(7))), expected,
+                               atol=1e-6)
+    # the chain a cycle drafts ends where the survival falls below the threshold
+    from eagle_mlx.decoding.block import BlockDrafter
+
+    feats = mx.array(np.random.default_rng(9).standard_normal((8, 128)).astype(np.float32))
+    state = head.make_cache()
+    head.add_context(state, feats)
+    n = head.predicts
+    h = head.predict_hidden(state, mx.array(7), model.target, n)
+    walk = head.chain(h, head.logits(h, model.target), mx.array(7))[0]
+    alive = np.array(head.survival(h, walk, mx.array(7))).tolist()
+    for threshold in sorted(set(alive)) + [alive[0] + 1e-3]:
+        head.args.confidence_threshold = threshold
+        s = head.make_cache()
+        tree = BlockDrafter(head, model.target, BLOCK, BLOCK, 1).propose(
+            s, feats, None, mx.array(7))
+        keep = max(1, next((i for i, a in enumerate(alive) if a < threshold), n))
+        assert tree.tokens.tolist() == [7] + walk.tolist()[:keep], threshold
+    head.args.confidence_threshold = None
+    tok.eos_token_ids = set()
+    prompt = [4, 9, 30, 26, 56, 34]
+    cut, tok2 = eagle_mlx.load(str(target_dir), eagle=str(folder), draft_confidence=0.6)
+    tok2.eos_token_ids = set()
+    out, _ = _tokens(cut, tok2, prompt, max_tokens=20, total_tokens=BLOCK, depth=1,
+                     draft_top_k=1)
+    assert out == hf_greedy(hf_model(target_dir), prompt, 20)
+    with pytest.raises(EagleError, match="draft_confidence applies to DSpark drafters"):
+        eagle_mlx.load(str(target_dir), eagle=str(pair[1]), draft_confidence=0.5)
+
+
+def test_auto_chooses_among_block_chains_and_ddtrees_exactly(pair, tmp_path, monkeypatch):
+    """Under adaptive speculation (the default) a block drafter's chains and DDTrees are the
+    head's options, measured on this machine like an EAGLE head's: the tokens are still the
+    target's greedy ones."""
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path / "cache"))
+    target_dir, draft_dir = pair
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(draft_dir))
+    tok.eos_token_ids = set()
+    costs = model.costs()
+    assert any(k.startswith("head") for k in costs.draft_costs), costs.draft_costs
+    prompt = [4, 9, 30, 26, 56, 34]
+    out, rs = _tokens(model, tok, prompt, max_tokens=24)
+    assert out == hf_greedy(hf_model(target_dir), prompt, 24)
+    assert sum(rs[-1].passes.values()) > 0

@@ -152,6 +152,14 @@ class BlockDrafter(Drafter):
         logits = self.head.logits(hidden, self.target).astype(mx.float32)
         select = self.head.chain
         chain, _ = select(hidden, logits, root)
+        threshold = self.head.args.confidence_threshold
+        if threshold is not None and "confidence_head" in self.head:
+            # DSpark: the depth this cycle is worth, from the greedy walk (SYNC: the tree's
+            # size must be known before the verify is built)
+            alive = self.head.survival(hidden, chain, root) >= threshold
+            keep = max(1, int(mx.cumprod(alive.astype(mx.int32)).sum().item()))
+            if keep < n:
+                n, hidden, logits, chain = keep, hidden[:keep], logits[:keep], chain[:keep]
         parents = mx.arange(-1, n, dtype=mx.int32).at[0].add(1)       # 0, 0, 1, ..., n - 1
         tree = Tree(mx.concatenate([root.reshape(1).astype(chain.dtype), chain]), parents,
                     ancestors(parents, n), mx.arange(n + 1), mx.zeros((n + 1,)))

@@ -116,6 +116,8 @@ class BlockArgs:
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
     draft_window: Optional[int] = None  # context positions kept (None: all)
+    # DSpark: a chain ends where its confidence head's survival falls below this (None: never)
+    confidence_threshold: Optional[float] = None
     version: int = 1                     # 2: DFlash 2 (dynamic convolutions, a selector)
     dspark: bool = False                 # DSpark: own embedding and head, a Markov head
     logits_start: int = 1                # the block slot of the first prediction
@@ -659,6 +661,17 @@ class DFlashHead(DraftHead):
             prev = self.to_target_ids(nxt)
             tokens.append(prev)
         return mx.concatenate(tokens), (mx.stack(qs) if qs else None)
+
+    def survival(self, hidden: mx.array, tokens: mx.array, root: mx.array) -> mx.array:
+        """DSpark's confidence that a chain's tokens [n] survive verification, each given the
+        ones before (its confidence head on each slot's hidden state and the previous token),
+        as the running product: the chance the chain is still accepted at each depth."""
+        prev = mx.concatenate([root.reshape(1).astype(tokens.dtype), tokens[:-1]])
+        x = hidden
+        if self.args.confidence_with_markov:
+            x = mx.concatenate([hidden, self.markov_head.markov_w1(prev).astype(hidden.dtype)],
+                               axis=-1)
+        return mx.cumprod(mx.sigmoid(self.confidence_head(x)))
 
     def _widen(self, q: mx.array) -> mx.array:
         """Draft-vocabulary log-probabilities over the target's vocabulary (-inf elsewhere)."""
