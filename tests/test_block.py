@@ -278,7 +278,7 @@ def test_sampling_with_block_drafters_is_lossless(request, pair, pair2, tree):
     if tree == "dspark":
         drafters["dspark"] = request.getfixturevalue("dspark")["deepspec"]
     p = chi_square_against_transformers(pair[0], drafters.get(tree, pair[1]),
-                                        [40, 41, 40, 41, 40], runs=600, steps=steps)
+                                        [40, 41, 40, 41, 40], runs=400, steps=steps)
     assert p > 1e-3, p
 
 

@@ -174,7 +174,8 @@ def test_lookup_alone_copies_a_repeated_text_at_tau_3_on_the_demo_pair(demo):
     from dataclasses import replace
 
     target, head = demo
-    merged, tok = eagle_mlx.load(target, eagle=head, lookup=True)
+    # (copies of 6 at most: a pass over k tokens costs about k plain passes on this CPU)
+    merged, tok = eagle_mlx.load(target, eagle=head, lookup=LookupSettings(max_draft=6))
     alone = replace(merged, head=None, head_path=None, tuning=None)  # the same target
     ids = chat_prompt(tok, [{"role": "user", "content": REPEAT}])
     plain = [t for r in eagle_mlx.stream_generate(alone, tok, ids, max_tokens=24,
