@@ -31,6 +31,21 @@ def _reference():
     return dm
 
 
+def _loaded(target_dir, draft_dir, ids, taps, version=1):
+    """transformers' target, the package's drafter and eagle_mlx's pair, and the target's
+    features of `ids` at the tap layers as the package reads them ([1, n, F], torch)."""
+    import torch
+
+    dm = _reference()
+    reference = hf_model(target_dir)
+    cls = dm.DFlash2DraftModel if version == 2 else dm.DFlashDraftModel
+    draft = cls.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    model, _ = eagle_mlx.load(str(target_dir), eagle=str(draft_dir))
+    with torch.no_grad():
+        hs = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return reference, draft, model, torch.cat([hs[i + 1] for i in taps], dim=-1)
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     _reference()
@@ -125,7 +140,7 @@ def test_drafter_logits_match_the_reference_forward(tmp_path, layers):
     its context's keys and values; a sliding layer sees its window of them)."""
     import torch
 
-    dm = _reference()
+    _reference()
     from eagle_mlx.decoding.block import BlockDrafter
 
     t = make_hf_model(tmp_path / "t", "qwen3", seed=2, vocab_size=64, num_hidden_layers=4,
@@ -133,14 +148,9 @@ def test_drafter_logits_match_the_reference_forward(tmp_path, layers):
     window = dict(sliding_window=5) if "sliding_attention" in layers else {}
     d = make_dflash_drafter(tmp_path / "d", t, layer_ids=(1, 3), block_size=5, steps=0,
                             layer_types=list(layers), **window)
-    reference = hf_model(t)
-    draft = dm.DFlashDraftModel.from_pretrained(str(d), dtype=torch.float32).eval()
-    model, _ = eagle_mlx.load(str(t), eagle=str(d))
-    head = model.head
     ids = np.random.default_rng(0).integers(3, 63, 20).tolist()
-    with torch.no_grad():
-        hs = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        feats = torch.cat([hs[i + 1] for i in (1, 3)], dim=-1)
+    reference, draft, model, feats = _loaded(t, d, ids, (1, 3))
+    head = model.head
     drafter = BlockDrafter(head, model.target, 5, 3, 1)
     state = drafter.new_state()
     done = 0
@@ -417,16 +427,10 @@ def test_dflash2_blocks_and_selector_match_the_reference(pair2):
     the first slot's sampling distribution over its candidates the package's."""
     import torch
 
-    dm = _reference()
-    target_dir, draft_dir = pair2
-    reference = hf_model(target_dir)
-    draft = dm.DFlash2DraftModel.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
-    model, _ = eagle_mlx.load(str(target_dir), eagle=str(draft_dir))
-    head = model.head
     ids = np.random.default_rng(4).integers(3, 63, 12).tolist()
+    reference, draft, model, feats = _loaded(*pair2, ids, (0, 2), version=2)
+    head = model.head
     with torch.no_grad():
-        hs = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states
-        feats = torch.cat([hs[1], hs[3]], dim=-1)
         block = torch.full((1, BLOCK), 63)
         block[0, 0] = ids[11]
         hidden = draft(position_ids=torch.arange(11 + BLOCK)[None],

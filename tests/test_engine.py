@@ -346,7 +346,7 @@ def test_sampling_through_the_engine_is_lossless(small_vocab_pair, draft):
     if draft:
         model.head.use_draft_vocab(draft_vocab(model.target, np.array([5, 2, 7, 0, 3, 1, 4, 6]), draft))
     sampling = SAMPLING_CASES[1][0]
-    prompt, n_tokens, runs = [1, 4, 6], 3, 800
+    prompt, n_tokens, runs = [1, 4, 6], 3, 500
     tree = dict(total_tokens=10, depth=3, draft_top_k=3)
     counts = _sample_counts(model, prompt, runs, n_tokens, sampling, tree)
     dist = _exact_distribution(model, prompt, n_tokens, sampling)
