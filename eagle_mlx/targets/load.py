@@ -72,9 +72,9 @@ def _config_overrides(config: dict, path: Path) -> dict:
         text.update(_gemma3_overrides(text, path))
         return {"text_config": text}
     if kind == "gemma4_text":
-        return _gemma4_overrides(config)
+        return gemma4_overrides(config)
     if kind == "gemma4" and isinstance(config.get("text_config"), dict):
-        return {"text_config": {**config["text_config"], **_gemma4_overrides(config["text_config"])}}
+        return {"text_config": {**config["text_config"], **gemma4_overrides(config["text_config"])}}
     if kind in ("ministral3", "mistral3"):
         return {}  # mlx-lm reads their rope_parameters itself
     if kind in HYBRID_TYPES:
@@ -140,7 +140,7 @@ def hybrid_overrides(text: dict, path: Path) -> dict:
     return out
 
 
-def _gemma4_overrides(text: dict) -> dict:
+def gemma4_overrides(text: dict) -> dict:
     """Gemma 4: transformers >= 5 writes the full-attention layers' head size (and, with
     `attention_k_eq_v`, their key/value heads) in `per_layer_config`; mlx-lm reads
     `global_head_dim` and `num_global_key_value_heads`."""

@@ -1,0 +1,145 @@
+"""Gemma 4's assistant drafters (`model_type: gemma4_assistant`, Google's
+`gemma-4-*-it-assistant`): a few Gemma 4 decoder layers with no keys or values of their own.
+Each step reads the target's committed keys and values of its last sliding and last full
+layer that keep them (one query per step, at a fixed position), takes
+`pre_projection(cat(target_embedding(token) · √H, h_prev))` as input and feeds
+`post_projection(out)` back as the next step's `h_prev`; the first `h_prev` is the target's
+post-norm hidden state of the last committed position.
+
+The layers are mlx-lm's own Gemma 4 decoder layers, every one KV-shared. A sliding layer
+sees the last `sliding_window` + 1 committed positions (what transformers' bidirectional
+window, flipped to the past, lets a query see), a full layer all of them.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import EagleError
+from ..targets.load import gemma4_overrides
+from .base import DraftHead, HeadSource
+
+
+def is_assistant_config(config: dict) -> bool:
+    return config.get("model_type") == "gemma4_assistant"
+
+
+@dataclass
+class AssistantArgs:
+    text: object              # mlx-lm's gemma4_text ModelArgs, every layer KV-shared
+    backbone_hidden_size: int
+    use_ordered_embeddings: bool = False
+    num_centroids: int = 2048
+    centroid_intermediate_top_k: int = 32
+
+    @classmethod
+    def from_config(cls, config: dict, path: Path) -> "AssistantArgs":
+        from mlx_lm.models.gemma4_text import ModelArgs
+
+        where = path / "config.json"
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise EagleError(f"{where} has no \"text_config\": not a Gemma 4 assistant's config.")
+        for key, bad in (("hidden_size_per_layer_input", 0), ("enable_moe_block", False)):
+            if text.get(key, bad) not in (0, False, None):
+                raise EagleError(f"{where}: a Gemma 4 assistant has no {key} (got "
+                                 f"{text[key]!r}).")
+        text = dict(text, **gemma4_overrides(text))
+        text.update(num_kv_shared_layers=text.get("num_hidden_layers"),
+                    use_double_wide_mlp=False, hidden_size_per_layer_input=0,
+                    vocab_size_per_layer_input=0)
+        try:
+            args = ModelArgs.from_dict(text)
+        except TypeError as e:
+            raise EagleError(f"{where}: its text_config is not a Gemma 4 one ({e}).") from None
+        if "full_attention" not in args.layer_types or \
+                "sliding_attention" not in args.layer_types:
+            raise EagleError(f"{where}: a Gemma 4 assistant has sliding and full layers "
+                             f"(got {args.layer_types}).")
+        return cls(args, int(config.get("backbone_hidden_size") or 0),
+                   bool(config.get("use_ordered_embeddings", False)),
+                   int(config.get("num_centroids", 2048)),
+                   int(config.get("centroid_intermediate_top_k", 32)))
+
+
+class _Inner(nn.Module):
+    def __init__(self, text):
+        super().__init__()
+        from mlx_lm.models.gemma4_text import DecoderLayer
+
+        self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
+        self.layers = [DecoderLayer(text, i) for i in range(text.num_hidden_layers)]
+        self.norm = nn.RMSNorm(text.hidden_size, eps=text.rms_norm_eps)
+
+
+class MaskedEmbedding(nn.Module):
+    """The E2B/E4B output head: the `top_k` best of `num_centroids` clusters, scored through
+    the tied embedding at their tokens' canonical positions (`token_ordering`), every other
+    token one below the lowest score."""
+
+    def __init__(self, args: AssistantArgs):
+        super().__init__()
+        text = args.text
+        self.top_k, self.clusters = args.centroid_intermediate_top_k, args.num_centroids
+        self.centroids = nn.Linear(text.hidden_size, args.num_centroids, bias=False)
+        self.token_ordering = mx.zeros((text.vocab_size,), dtype=mx.int32)
+
+    def __call__(self, h: mx.array, weight: mx.array) -> mx.array:
+        V = self.token_ordering.shape[0]
+        per = V // self.clusters
+        top = mx.argpartition(-self.centroids(h), kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        canonical = self.token_ordering.astype(mx.int32).reshape(self.clusters, per)[top]
+        canonical = canonical.reshape(*h.shape[:-1], -1)                     # [..., k*per]
+        scores = (weight[canonical] @ h[..., None])[..., 0]
+        out = mx.full((*h.shape[:-1], V), scores.min() - 1.0, dtype=h.dtype)
+        return mx.put_along_axis(out, canonical, scores, axis=-1)
+
+
+class Gemma4Assistant(DraftHead):
+    """The assistant's module (the module's docstring); parameter names are transformers'."""
+
+    kind = "gemma4_assistant"
+
+    def __init__(self, args: AssistantArgs, source: Optional[HeadSource] = None):
+        super().__init__(source)
+        self.args = args
+        text = args.text
+        self.model = _Inner(text)
+        B = args.backbone_hidden_size
+        self.pre_projection = nn.Linear(2 * B, text.hidden_size, bias=False)
+        self.post_projection = nn.Linear(text.hidden_size, B, bias=False)
+        if args.use_ordered_embeddings:
+            self.masked_embedding = MaskedEmbedding(args)
+
+    feature_size = property(lambda self: self.args.backbone_hidden_size)
+    vocab_size = property(lambda self: self.args.text.vocab_size)
+    draft_vocab_size = property(lambda self: self.args.text.vocab_size)
+    num_layers = property(lambda self: self.args.text.num_hidden_layers)
+
+    def step(self, x: mx.array, shared: Dict[str, Tuple[mx.array, mx.array]],
+             position) -> Tuple[mx.array, mx.array]:
+        """One drafting step for B queries: x [B, 1, 2·backbone] (the embedded token scaled by
+        √backbone, then h_prev), `shared` the target's committed keys and values by layer type
+        ([1 or B, kv heads, n, D], roped and normed as the target keeps them), `position` the
+        queries' position. Returns (logits [B, V], the next h_prev [B, 1, backbone])."""
+        text = self.args.text
+        h = self.pre_projection(x)
+        for layer in self.model.layers:
+            kind = layer.layer_type
+            k, v = shared[kind]
+            w = text.sliding_window + 1
+            if kind == "sliding_attention" and k.shape[2] > w:
+                k, v = k[..., -w:, :], v[..., -w:, :]
+            if k.shape[0] != h.shape[0]:
+                k = mx.broadcast_to(k, (h.shape[0], *k.shape[1:]))
+                v = mx.broadcast_to(v, (h.shape[0], *v.shape[1:]))
+            h, _, _ = layer(h, None, None, shared_kv=(k, v), offset=position)
+        h = self.model.norm(h)
+        if "masked_embedding" in self:
+            logits = self.masked_embedding(h[:, 0], self.model.embed_tokens.weight)
+        else:
+            logits = self.model.embed_tokens.as_linear(h[:, 0])
+        return logits, self.post_projection(h)
