@@ -18,6 +18,7 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import mlxlm
 from ..errors import EagleError
 from ..targets.load import gemma4_overrides
 from .base import DraftHead, HeadSource
@@ -37,8 +38,7 @@ class AssistantArgs:
 
     @classmethod
     def from_config(cls, config: dict, path: Path) -> "AssistantArgs":
-        from mlx_lm.models.gemma4_text import ModelArgs
-
+        ModelArgs = mlxlm.model_module("gemma4_text").ModelArgs
         where = path / "config.json"
         text = config.get("text_config")
         if not isinstance(text, dict):
@@ -68,8 +68,7 @@ class AssistantArgs:
 class _Inner(nn.Module):
     def __init__(self, text):
         super().__init__()
-        from mlx_lm.models.gemma4_text import DecoderLayer
-
+        DecoderLayer = mlxlm.model_module("gemma4_text").DecoderLayer
         self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
         self.layers = [DecoderLayer(text, i) for i in range(text.num_hidden_layers)]
         self.norm = nn.RMSNorm(text.hidden_size, eps=text.rms_norm_eps)
