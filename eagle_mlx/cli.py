@@ -320,6 +320,8 @@ def describe_costs(model, settings) -> Optional[str]:
 def describe_head(head) -> str:
     """The head's kind, the layout it was read from and the target layers it reads."""
     layout = head.source.layout
+    if getattr(head, "reads_kv", False):
+        return f"Gemma 4 assistant ({head.num_layers} layers)"
     if getattr(head, "block", False):
         from .heads.dflash import head_name
 

@@ -171,6 +171,9 @@ class BatchGenerator:
               f"max_batch must be a whole number of at least 1 (got {max_batch!r}).")
         check(getattr(model, "group", None) is None,
               "batched generation runs on one machine; it does not shard over mx.distributed.")
+        check(not getattr(model.head, "reads_kv", False),
+              "a Gemma 4 assistant drafts for one sequence at a time here, not in a batch "
+              "(generate, chat and a server without --max-batch run it).")
         self.model, self.tokenizer, self.target = model, tokenizer, model.target
         self.max_batch, self.prefill_chunk = int(max_batch), int(prefill_chunk)
         self.waiting: deque = deque()     # added, not yet prefilled

@@ -173,5 +173,9 @@ def head_drafter(head, target, total_tokens: int, depth: int, top_k: int,
         from .block import BlockDrafter
 
         return BlockDrafter(head, target, total_tokens, depth, top_k)
+    if getattr(head, "reads_kv", False):  # a Gemma 4 assistant
+        from .assistant import AssistantDrafter
+
+        return AssistantDrafter(head, target, total_tokens, depth, top_k)
     return EagleDrafter(head, target, total_tokens, depth, top_k, tree_choices)
 

@@ -260,7 +260,10 @@ class Engine:
             self.target.cache_arrays(state.caches)
 
     def draft(self, state: State) -> Tree:
-        """1. the drafter catches up on the new positions and proposes a tree."""
+        """1. the drafter catches up on the new positions and proposes a tree (a drafter that
+        `reads_kv` is handed the target's committed keys and values first)."""
+        if getattr(self.drafter, "reads_kv", False):
+            self.drafter.take_kv(state.drafter, state.caches, state.n)
         return self.sampled(state, self.drafter.propose(state.drafter, state.feats,
                                                         state.tokens, state.root))
 

@@ -113,6 +113,7 @@ class Gemma4Assistant(DraftHead):
         if args.use_ordered_embeddings:
             self.masked_embedding = MaskedEmbedding(args)
 
+    reads_kv = True  # drafts from the target's committed keys and values (`kv_layers`)
     feature_size = property(lambda self: self.args.backbone_hidden_size)
     vocab_size = property(lambda self: self.args.text.vocab_size)
     draft_vocab_size = property(lambda self: self.args.text.vocab_size)
@@ -142,3 +143,42 @@ class Gemma4Assistant(DraftHead):
         else:
             logits = self.model.embed_tokens.as_linear(h[:, 0])
         return logits, self.post_projection(h)
+
+    def feature_taps(self, target) -> tuple:
+        return ()  # (the post-norm hidden state)
+
+    def kv_layers(self, target) -> Dict[str, int]:
+        """The target layers whose keys and values each of its layer types reads: the last
+        sliding and the last full layer that keep their own (transformers' "store" layers)."""
+        inner = target.family.inner
+        types = [layer.layer_type for layer in inner.layers]
+        prev = list(inner.previous_kvs)
+        return {kind: max(j for j, t in enumerate(types) if t == kind and prev[j] == j)
+                for kind in ("sliding_attention", "full_attention")}
+
+    def embed_scale(self, target) -> float:
+        return float(target.family.inner.embed_scale)
+
+    def check_target(self, target, where: str) -> None:
+        """One sentence where the assistant does not fit the target."""
+        name = target.path or "the target"
+        if not str(target.model_type).startswith("gemma4"):
+            raise EagleError(f"{where} is a Gemma 4 assistant; target {name} is "
+                             f"{target.model_type}, not Gemma 4.")
+        if self.args.backbone_hidden_size != target.hidden_size:
+            raise EagleError(f"{where} was made for a Gemma 4 of hidden size "
+                             f"{self.args.backbone_hidden_size}; target {name} has "
+                             f"{target.hidden_size} (another size of the family).")
+        if self.vocab_size != target.vocab_size:
+            raise EagleError(f"{where} has a vocabulary of {self.vocab_size} tokens; target "
+                             f"{name} has {target.vocab_size}.")
+        layers = self.kv_layers(target)
+        inner = target.family.inner
+        for layer in self.model.layers:
+            attn = inner.layers[layers[layer.layer_type]].self_attn
+            mine = layer.self_attn
+            if (attn.head_dim, attn.n_kv_heads) != (mine.head_dim, mine.n_kv_heads):
+                raise EagleError(
+                    f"{where}: its {layer.layer_type.replace('_', ' ')} layers read "
+                    f"{mine.n_kv_heads} key/value heads of {mine.head_dim}, but target {name} "
+                    f"keeps {attn.n_kv_heads} of {attn.head_dim} (another size of the family).")

@@ -20,6 +20,7 @@ from ..hub import resolve
 from ..targets.load import read_config
 from .base import HeadSource, check_weights
 from .dflash import BlockArgs, DFlashHead, head_name, is_block_config
+from .gemma4_assistant import AssistantArgs, Gemma4Assistant, is_assistant_config
 from .eagle import HEAD_CLASSES, ROPE_TYPES, HeadArgs
 from .layouts import family_name, translate
 from .mtp import INDEX, build_mtp, is_mtp_config, mtp_shards, read_mtp_weights
@@ -143,6 +144,8 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
         return head
     if is_block_config(config):
         return build_block(config, weights, path, target)
+    if is_assistant_config(config):
+        return build_assistant(config, weights, path, target)
     config, weights, layout, made_for = translate(config, dict(weights), path)
     check_head_config(config, path)
     eagle = config.get("eagle") or {}
@@ -219,6 +222,29 @@ def build_block(config: dict, weights: Dict[str, mx.array], path: Path, target=N
         nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
                     class_predicate=quantize_predicate(quant["group_size"], weights))
     check_weights(head, weights, f"{head_name(head)} drafter in {path}")
+    head.load_weights(list(weights.items()))
+    head.eval()
+    return head
+
+
+def build_assistant(config: dict, weights: Dict[str, mx.array], path: Path, target=None):
+    """A Gemma 4 assistant from its config and tensors (transformers' names; its lm_head is
+    its tied embedding), checked against the target where given."""
+    head = Gemma4Assistant(AssistantArgs.from_config(config, path),
+                           HeadSource(path=path, layout="gemma4_assistant",
+                                      model_type="gemma4_assistant", config=config))
+    if target is not None:
+        head.check_target(target, f"Gemma 4 assistant {path}")
+    weights = dict(weights)
+    weights.pop("lm_head.weight", None)  # (tied to model.embed_tokens)
+    if "masked_embedding.token_ordering" in weights:
+        weights["masked_embedding.token_ordering"] = \
+            weights["masked_embedding.token_ordering"].astype(mx.int32)
+    quant = config.get("quantization")
+    if quant:
+        nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
+                    class_predicate=quantize_predicate(quant["group_size"], weights))
+    check_weights(head, weights, f"Gemma 4 assistant in {path}")
     head.load_weights(list(weights.items()))
     head.eval()
     return head

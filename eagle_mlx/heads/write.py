@@ -32,7 +32,8 @@ def head_config(head, source_config: dict) -> dict:
     source = head.source.config or source_config
     config = {k: v for k, v in source.items()
               if k not in ("eagle", "quantization", "eagle3_options")}
-    if getattr(head, "block", False):  # a block drafter: its own config says all it is
+    if getattr(head, "block", False) or getattr(head, "reads_kv", False):
+        # a block drafter or a Gemma 4 assistant: its own config says all it is
         config["eagle"] = {"kind": head.kind, "format_version": FORMAT_VERSION}
         return config
     width, vocab = head.target_width, head.vocab_size

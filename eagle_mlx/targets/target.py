@@ -207,6 +207,17 @@ class Target:
     def lm_head(self, hidden: mx.array) -> mx.array:
         return self.family.logits(hidden)
 
+    @staticmethod
+    def committed_kv(caches, layer: int, n: int):
+        """The keys and values layer `layer` keeps for positions before `n`, in position
+        order ([1, kv heads, rows, D], as its attention reads them: roped, normed), and the
+        position of the first row (a window keeps only its last ones). Views of the cache's
+        buffer, no copy."""
+        cache = caches[layer]
+        base = getattr(cache, "base", 0)
+        rows = n - base
+        return cache.keys[..., :rows, :], cache.values[..., :rows, :], base
+
     def output_projection(self, hidden: mx.array) -> mx.array:
         """The output projection without the model's final soft-cap (what a block drafter
         scores its slots with)."""
