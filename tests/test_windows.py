@@ -185,7 +185,7 @@ def test_prompt_cache_second_turn_starts_past_the_window(windowed_pairs, specula
     assert out == hf_greedy(reference, edited, 20)
 
 
-def chi_square_against_transformers(target_dir, head_dir, prompt, runs=500, n_tokens=3,
+def chi_square_against_transformers(target_dir, head_dir, prompt, runs=400, n_tokens=3,
                                     steps=eagle_steps):
     """p-value of the first `n_tokens` sampled tokens (EAGLE, temperature 0.7, top-k 5,
     top-p 0.9, tree 10/3/3; `steps` makes the steps from those, `eagle_steps` by default)
