@@ -32,6 +32,7 @@ class AssistantState:
 
 class AssistantDrafter(Drafter):
     features = ()  # the target's post-norm hidden states
+    reads_kv = True
 
     def __init__(self, head, target, total_tokens: int, depth: int, top_k: int):
         self.head, self.target = head, target
@@ -39,8 +40,6 @@ class AssistantDrafter(Drafter):
         self.max_depth = depth + 1
         self.kv_layers = head.kv_layers(target)
         self.scale = head.embed_scale(target)
-
-    reads_kv = True
 
     @property
     def owner(self):

@@ -116,14 +116,15 @@ class BlockDrafter(Drafter):
     def truncate(self, state, length: int) -> None:
         state.truncate(length)
 
-    def head_caches(self, state) -> list:
-        return None
+    def _catch_up(self, state, features) -> None:
+        """The committed positions' features [m, F] into the context (none: nothing new)."""
+        if features is not None and features.shape[0]:
+            self.head.add_context(state, features)
 
     def block_logprobs(self, state, features, root) -> mx.array:
         """Catch up on the committed positions' features [m, F], then the block's
         log-probabilities of the next `levels` positions [levels, V]."""
-        if features is not None and features.shape[0]:
-            self.head.add_context(state, features)
+        self._catch_up(state, features)
         hidden = self.head.predict_hidden(state, root, self.target, self.levels)
         return log_softmax(self.head.logits(hidden, self.target).astype(mx.float32))
 
@@ -145,8 +146,7 @@ class BlockDrafter(Drafter):
     def _selected(self, state, features, root) -> Tree:
         """A chain walked slot by slot (DFlash 2's candidate selector, DSpark's Markov head):
         the best-scored walk, or drawn under the generation's settings when sampling."""
-        if features is not None and features.shape[0]:
-            self.head.add_context(state, features)
+        self._catch_up(state, features)
         n = min(self.levels, self.total_tokens - 1)
         hidden = self.head.predict_hidden(state, root, self.target, n)
         logits = self.head.logits(hidden, self.target).astype(mx.float32)

@@ -46,6 +46,9 @@ class Drafter:
     features: Optional[Tuple[int, ...]] = None
     max_depth: int = 1
     drafts_ahead: bool = False  # the engine may draft its next tree before the caller's turn
+    # reads the target's committed keys and values: the engine hands them over before each
+    # proposal (`take_kv(state, caches, n)`)
+    reads_kv: bool = False
 
     @property
     def owner(self):

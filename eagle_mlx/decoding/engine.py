@@ -16,7 +16,7 @@ masks, decodes slower: docs/performance.md, continuous batching).
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
@@ -262,7 +262,7 @@ class Engine:
     def draft(self, state: State) -> Tree:
         """1. the drafter catches up on the new positions and proposes a tree (a drafter that
         `reads_kv` is handed the target's committed keys and values first)."""
-        if getattr(self.drafter, "reads_kv", False):
+        if self.drafter.reads_kv:
             self.drafter.take_kv(state.drafter, state.caches, state.n)
         return self.sampled(state, self.drafter.propose(state.drafter, state.feats,
                                                         state.tokens, state.root))
@@ -275,9 +275,8 @@ class Engine:
             return tree
         drawn, q = tree.draw(self.sampling, state.key())
         tokens = mx.concatenate([tree.tokens[:1], drawn.astype(tree.tokens.dtype)])
-        q = mx.concatenate([mx.zeros_like(q[:1]), q])
-        return Tree(tokens, tree.parents, tree.anc, tree.depth, tree.scores, tree.levels,
-                    q=q)
+        return replace(tree, tokens=tokens, q=mx.concatenate([mx.zeros_like(q[:1]), q]),
+                       draw=None)
 
     def plain_pass(self, state: State, token: mx.array) -> Verified:
         """The target's forward over one token [1] after what the caches hold, as mlx-lm's

@@ -346,7 +346,7 @@ def head_name(head) -> str:
 class BlockState:
     """A sequence's block-drafter state: every layer's context keys and values."""
 
-    def __init__(self, n_layers: int, keep: List[Optional[int]]):
+    def __init__(self, keep: List[Optional[int]]):
         self.layers = [ContextKV(k) for k in keep]
 
     @property
@@ -598,7 +598,7 @@ class DFlashHead(DraftHead):
             w = self.args.window(i)
             keep.append(w - 1 if w is not None and (window is None or w - 1 < window)
                         else window)
-        return BlockState(self.args.num_hidden_layers, keep)
+        return BlockState(keep)
 
     def cache_layers(self, cache) -> list:
         return cache.layers

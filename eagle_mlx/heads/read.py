@@ -177,10 +177,7 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
                         held_out_top1=float(top1) if isinstance(top1, (int, float)) and
                         0 < top1 <= 1 else None)
     head = HEAD_CLASSES[kind](args, source)
-    quant = config.get("quantization")
-    if quant:
-        nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
-                    class_predicate=quantize_predicate(quant["group_size"], weights))
+    quantize_as_saved(head, config, weights)
     check_weights(head, weights, f"{kind} head in {path}")
     if "d2t" in weights:
         weights["d2t"] = weights["d2t"].astype(mx.int64)
@@ -196,6 +193,25 @@ def build_head(config: dict, weights: Dict[str, mx.array], path: Path, target=No
         )
     if target is not None:
         check_pair(head, target, path, embed_shape=None if embed is None else tuple(embed.shape))
+    return head
+
+
+def quantize_as_saved(head, config: dict, weights: Dict[str, mx.array]) -> None:
+    """Quantize the linear layers a converted folder saved quantized (its config's
+    "quantization"; the layers whose scales it holds)."""
+    quant = config.get("quantization")
+    if quant:
+        nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
+                    class_predicate=quantize_predicate(quant["group_size"], weights))
+
+
+def fill(head, config: dict, weights: Dict[str, mx.array], what: str):
+    """The head with `weights` loaded: quantized as they were saved, every key checked
+    against its config (`what`: the head and its folder, as the sentence names them)."""
+    quantize_as_saved(head, config, weights)
+    check_weights(head, weights, what)
+    head.load_weights(list(weights.items()))
+    head.eval()
     return head
 
 
@@ -217,14 +233,7 @@ def build_block(config: dict, weights: Dict[str, mx.array], path: Path, target=N
     head = DFlashHead(args, source)
     if target is not None:  # (a drafter for another target: say so before its tensors)
         head.check_target(target, f"{head_name(head)} drafter {path}")
-    quant = config.get("quantization")
-    if quant:
-        nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
-                    class_predicate=quantize_predicate(quant["group_size"], weights))
-    check_weights(head, weights, f"{head_name(head)} drafter in {path}")
-    head.load_weights(list(weights.items()))
-    head.eval()
-    return head
+    return fill(head, config, weights, f"{head_name(head)} drafter in {path}")
 
 
 def build_assistant(config: dict, weights: Dict[str, mx.array], path: Path, target=None):
@@ -240,14 +249,7 @@ def build_assistant(config: dict, weights: Dict[str, mx.array], path: Path, targ
     if "masked_embedding.token_ordering" in weights:
         weights["masked_embedding.token_ordering"] = \
             weights["masked_embedding.token_ordering"].astype(mx.int32)
-    quant = config.get("quantization")
-    if quant:
-        nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"],
-                    class_predicate=quantize_predicate(quant["group_size"], weights))
-    check_weights(head, weights, f"Gemma 4 assistant in {path}")
-    head.load_weights(list(weights.items()))
-    head.eval()
-    return head
+    return fill(head, config, weights, f"Gemma 4 assistant in {path}")
 
 
 def check_pair(head, target, head_path, embed_shape=None) -> None:
