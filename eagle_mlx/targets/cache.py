@@ -72,8 +72,9 @@ class TreeKVCache(KVCache):
 
 
 class WindowKVCache(TreeKVCache):
-    """The cache of a sliding-window layer: the last `window - 1` positions (all a new
-    token can see besides itself) plus room for a prefill chunk or a tree, in slots that
+    """The cache of a sliding-window layer: the last `window + 1` positions (a new token
+    sees the last `window - 1` besides itself; a Gemma 4 assistant's query, at the position
+    after them, reads `window + 1`) plus room for a prefill chunk or a tree, in slots that
     never wrap.
 
     Slot i holds absolute position `base + i`; positions stay in order, so a tree's rows
@@ -97,7 +98,7 @@ class WindowKVCache(TreeKVCache):
 
     def base_after(self, n: int) -> int:
         """The position of slot 0 once `n` new positions are appended."""
-        return self.base if self._fits(n) else max(self.base, self.offset - self.window + 1)
+        return self.base if self._fits(n) else max(self.base, self.offset - self.window - 1)
 
     def update_and_fetch(self, keys, values):
         n = keys.shape[2]
