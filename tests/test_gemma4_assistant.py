@@ -89,15 +89,17 @@ def test_drafting_steps_match_transformers(tmp_path, target, ordered):
                           shared_kv_states=out.shared_kv_states,
                           attention_mask=torch.ones(1, ids.shape[1], dtype=torch.long))
             logits, fed = ours.step(mx.array(x.numpy()), shared, position)
-            np.testing.assert_allclose(np.array(logits), r.logits[0].numpy(), atol=1e-4)
+            np.testing.assert_allclose(np.array(logits), r.logits.numpy(), atol=1e-4)
             np.testing.assert_allclose(np.array(fed), r.last_hidden_state.numpy(), atol=1e-4)
             token, h = r.logits.argmax(-1), r.last_hidden_state
 
 
-def test_the_first_chain_is_transformers_assistants_drafts(pair, target):
-    """After the prefill, the chain (draft_top_k 1) drafts the tokens transformers' assistant
-    drafts greedily from the same committed state: its own greedy loop over the target's
-    shared keys and values, its last hidden state and its last token."""
+def test_every_chain_is_transformers_assistants_drafts(pair, target):
+    """Every cycle's chain (draft_top_k 1) drafts the tokens transformers' assistant drafts
+    greedily from the same committed state — its own greedy loop over the target's shared
+    keys and values, its last hidden state and its last token: after the prefill, and on
+    through cycles that take the context well past the sliding window (the target's window
+    cache compacting on the way)."""
     import torch
     from transformers import Gemma4AssistantForCausalLM
 
@@ -108,23 +110,35 @@ def test_the_first_chain_is_transformers_assistants_drafts(pair, target):
                                                            dtype=torch.float32).eval()
     model, _ = eagle_mlx.load(str(target_dir), eagle=str(assistant_dir))
     prompt = [5, 9, 13, 7, 22, 31, 40, 12, 33, 8, 19]
-    engine = Engine(model.target, eagle_mlx.decoding.drafters.head_drafter(
-        model.head, model.target, 5, 3, 1), SamplingParams(), 512)
+    drafter = eagle_mlx.decoding.drafters.head_drafter(model.head, model.target, 5, 3, 1)
+    drafts, propose = [], drafter.propose
+
+    def recorded(state, *args):
+        tree = propose(state, *args)
+        drafts.append((state.n, tree.tokens.tolist()))
+        return tree
+
+    drafter.propose = recorded
+    engine = Engine(model.target, drafter, SamplingParams(), 512)
     state = engine.new_state()
     engine.prefill(state, prompt)
-    drafted = engine.draft(state).tokens.tolist()
-    ids = torch.tensor([prompt + [drafted[0]]])
-    with torch.no_grad():
-        out = target(ids[:, :-1], output_hidden_states=True, return_shared_kv_states=True)
-        token, h, expected = ids[:, -1:], out.hidden_states[-1][:, -1:], []
-        for _ in range(4):
-            x = torch.cat([target.get_input_embeddings()(token), h], dim=-1)
-            r = reference(inputs_embeds=x, position_ids=torch.tensor([[len(prompt)]]),
-                          shared_kv_states=out.shared_kv_states,
-                          attention_mask=torch.ones(1, len(prompt) + 1, dtype=torch.long))
-            token, h = r.logits.argmax(-1), r.last_hidden_state
-            expected.append(int(token))
-    assert drafted[1:] == expected
+    while state.n < 40:
+        engine.cycle(state)
+    assert len(drafts) > 8
+    for n, drafted in drafts:
+        committed = state.history[:n]
+        ids = torch.tensor([committed + [drafted[0]]])
+        with torch.no_grad():
+            out = target(ids[:, :-1], output_hidden_states=True, return_shared_kv_states=True)
+            token, h, expected = ids[:, -1:], out.hidden_states[-1][:, -1:], []
+            for _ in range(4):
+                x = torch.cat([target.get_input_embeddings()(token), h], dim=-1)
+                r = reference(inputs_embeds=x, position_ids=torch.tensor([[n]]),
+                              shared_kv_states=out.shared_kv_states,
+                              attention_mask=torch.ones(1, n + 1, dtype=torch.long))
+                token, h = r.logits.argmax(-1), r.last_hidden_state
+                expected.append(int(token))
+        assert drafted[1:] == expected, n
 
 
 def test_chains_and_trees_decode_exactly_and_a_second_turn_reuses_the_cache(pair):
@@ -151,6 +165,44 @@ def test_chains_and_trees_decode_exactly_and_a_second_turn_reuses_the_cache(pair
     assert again == hf_greedy(reference, turn, 10)
 
 
+def test_batch_rows_draft_together_and_are_their_runs_alone(pair, monkeypatch):
+    """Rows of different lengths (some past the sliding window, one shorter than it) in one
+    batch: they draft in one forward per depth, each over its own row of the target's ragged
+    caches, and each row's tokens are its run alone — greedy (= transformers' greedy) with a
+    tree and a chain, sampled with a seed (the same draws), and under auto."""
+    from eagle_mlx.decoding.assistant import AssistantDrafter
+
+    target_dir, assistant_dir = pair
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(assistant_dir))
+    tok.eos_token_ids = set()
+    reference = hf_model(target_dir)
+    widths = []
+    trees = AssistantDrafter._trees
+
+    def spy(self, shared, hidden, *rest):
+        widths.append(hidden.shape[0])
+        return trees(self, shared, hidden, *rest)
+
+    monkeypatch.setattr(AssistantDrafter, "_trees", spy)
+    prompts = [[5, 9, 13, 7, 22, 31, 40, 12, 33, 8, 19, 50], [40, 41, 40, 41, 12], [3, 4, 5],
+               [7, 1, 60, 2, 9, 33, 17, 17, 4, 5]]
+    runs = [GenerationSettings(max_tokens=16, total_tokens=10, depth=3, draft_top_k=3),
+            GenerationSettings(max_tokens=16, total_tokens=4, depth=2, draft_top_k=1),
+            GenerationSettings(max_tokens=16, total_tokens=10, depth=3, draft_top_k=3,
+                               temp=0.8, seed=11),
+            GenerationSettings(max_tokens=16)]  # (auto)
+    for settings in runs:
+        alone = [[t for r in eagle_mlx.stream_generate(model, tok, p, settings=settings)
+                  for t in r.tokens] for p in prompts]
+        if settings.temp == 0:
+            assert alone == [hf_greedy(reference, p, 16) for p in prompts], settings
+        widths.clear()
+        res = eagle_mlx.batch_generate(model, tok, prompts, settings=[settings] * len(prompts))
+        assert [r.tokens for r in res.results] == alone, settings
+        if settings.speculate != "auto":
+            assert max(widths) == len(prompts), widths
+
+
 @pytest.mark.long
 def test_sampling_with_assistant_trees_is_lossless(pair):
     """The first three tokens sampled (temperature 0.7, top-k 5, top-p 0.9) through trees of
@@ -171,10 +223,6 @@ def test_assistants_that_do_not_fit_are_refused_in_one_sentence(pair, tmp_path):
     (other / "model.safetensors").symlink_to(assistant_dir / "model.safetensors")
     with pytest.raises(EagleError, match="another size of the family"):
         eagle_mlx.load(str(target_dir), eagle=str(other))
-    model, tok = eagle_mlx.load(str(target_dir), eagle=str(assistant_dir))
-    with pytest.raises(EagleError, match="not in a batch"):
-        eagle_mlx.batch_generate(model, tok, [[5, 6], [7, 8]], settings=[
-            GenerationSettings(max_tokens=4)] * 2)
 
 
 def test_convert_writes_an_assistant_read_back_identically(pair, tmp_path):
@@ -197,3 +245,71 @@ def test_convert_writes_an_assistant_read_back_identically(pair, tmp_path):
         trees.append((tree.tokens.tolist(), tree.parents.tolist(), np.array(tree.scores)))
     assert trees[0][:2] == trees[1][:2]
     assert np.array_equal(trees[0][2], trees[1][2])
+
+
+def test_the_12b_unified_pair_loads_drafts_and_decodes_exactly(tmp_path):
+    """The 12B's layout: a `gemma4_unified` target (text only here) and its
+    `gemma4_unified_assistant`, tiny, from transformers' classes: the assistant's first
+    chain equals transformers' unified assistant's greedy drafts, and chains and trees
+    decode transformers' greedy tokens."""
+    import torch
+    from transformers import (Gemma4UnifiedAssistantConfig, Gemma4UnifiedAssistantForCausalLM,
+                              Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration,
+                              Gemma4UnifiedTextConfig)
+
+    from eagle_mlx.decoding.drafters import head_drafter
+    from eagle_mlx.decoding.engine import Engine, SamplingParams
+    from tiny import save_tokenizer
+
+    torch.manual_seed(0)
+    text = Gemma4UnifiedTextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        layer_types=TINY_TARGETS["gemma4_swa"][1]["layer_types"], sliding_window=8,
+        num_kv_shared_layers=2, final_logit_softcapping=30.0, max_position_embeddings=512,
+        pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    target = Gemma4UnifiedForConditionalGeneration(
+        Gemma4UnifiedConfig(text_config=text.to_dict())).eval()
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    target.save_pretrained(str(tmp_path / "t"))
+    save_tokenizer(tmp_path / "t", 64)
+    assistant_text = Gemma4UnifiedTextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=8,
+        num_kv_shared_layers=4, max_position_embeddings=512)
+    assistant = Gemma4UnifiedAssistantForCausalLM(Gemma4UnifiedAssistantConfig(
+        text_config=assistant_text, backbone_hidden_size=64)).eval()
+    assistant.save_pretrained(str(tmp_path / "a"))
+
+    model, tok = eagle_mlx.load(str(tmp_path / "t"), eagle=str(tmp_path / "a"))
+    tok.eos_token_ids = set()
+    prompt = [5, 9, 13, 7, 22, 31, 40, 12, 33, 8, 19, 50]
+    with torch.no_grad():
+        greedy = target.generate(torch.tensor([prompt]), max_new_tokens=16,
+                                 do_sample=False)[0, len(prompt):].tolist()
+    for tree in (dict(total_tokens=4, depth=2, draft_top_k=1),
+                 dict(total_tokens=10, depth=3, draft_top_k=3)):
+        out = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=16, **tree)
+               for t in r.tokens]
+        assert out == greedy, tree
+    engine = Engine(model.target, head_drafter(model.head, model.target, 5, 3, 1),
+                    SamplingParams(), 512)
+    state = engine.new_state()
+    engine.prefill(state, prompt)
+    drafted = engine.draft(state).tokens.tolist()
+    lm = target.model.language_model
+    with torch.no_grad():
+        out = lm(torch.tensor([prompt]), return_shared_kv_states=True)
+        token, h, expected = torch.tensor([[drafted[0]]]), out.last_hidden_state[:, -1:], []
+        for _ in range(4):
+            x = torch.cat([lm.embed_tokens(token), h], dim=-1)
+            r = assistant(inputs_embeds=x, position_ids=torch.tensor([[len(prompt)]]),
+                          shared_kv_states=out.shared_kv_states,
+                          attention_mask=torch.ones(1, len(prompt) + 1, dtype=torch.long))
+            token, h = r.logits.argmax(-1), r.last_hidden_state
+            expected.append(int(token))
+    assert drafted[1:] == expected

@@ -419,6 +419,7 @@ class AdaptiveDrafter(Drafter):
         self.drafters = {o: head_drafter(head, target, o.nodes, o.depth - 1, o.top_k)
                          for o in self.head_options}
         self.features = head.feature_taps(target) if head is not None else None
+        self.reads_kv = bool(getattr(head, "reads_kv", False))
         self.max_depth = max([o.depth for o in self.head_options] +
                              [self.max_lookup if lookup is not None else 0, 1])
         self.head_prior = head_prior
@@ -471,6 +472,11 @@ class AdaptiveDrafter(Drafter):
 
     def head_caches(self, state) -> Optional[list]:
         return None if self.head is None else self.head.cache_layers(state.head)
+
+    def take_kv(self, state, caches, n: int, row=None) -> None:
+        for drafter in self.drafters.values():  # (one hands over for all: the same state)
+            drafter.take_kv(state.head, caches, n, row)
+            break
 
     def propose(self, state, features, tokens, root) -> Tree:
         _catch_up(state.lookup, tokens)

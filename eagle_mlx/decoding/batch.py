@@ -171,9 +171,6 @@ class BatchGenerator:
               f"max_batch must be a whole number of at least 1 (got {max_batch!r}).")
         check(getattr(model, "group", None) is None,
               "batched generation runs on one machine; it does not shard over mx.distributed.")
-        check(not getattr(model.head, "reads_kv", False),
-              "a Gemma 4 assistant drafts for one sequence at a time here, not in a batch "
-              "(generate, chat and a server without --max-batch run it).")
         self.model, self.tokenizer, self.target = model, tokenizer, model.target
         self.max_batch, self.prefill_chunk = int(max_batch), int(prefill_chunk)
         self.waiting: deque = deque()     # added, not yet prefilled
@@ -310,7 +307,10 @@ class BatchGenerator:
             if not spec:
                 trees[b] = _root_tree(s.state.root)
                 continue
-            key = s.engine.drafter.batch_key() if self.rows.batched_head else None
+            drafter = s.engine.drafter
+            if drafter.reads_kv:  # (its row of the batch's caches)
+                drafter.take_kv(s.state.drafter, self.caches, s.state.n, row=b)
+            key = drafter.batch_key()
             groups.setdefault(("alone", b) if key is None else key, []).append(b)
         for members in groups.values():
             draft_rows = [DraftRow(b, rows[b].engine.drafter, rows[b].state) for b in members]

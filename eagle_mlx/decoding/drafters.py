@@ -17,7 +17,8 @@ last hidden state) or a tuple of decoder layers whose inputs it reads (EAGLE-3).
 
 A batch (`batch.BatchGenerator`) drafts every row through `propose_batch`: rows whose
 drafters give the same `batch_key` draft in one call (an EAGLE head: one forward per level
-for all of them, over the batch's ragged head caches), the others one by one. Where the
+for all of them, over the batch's ragged head caches; a Gemma 4 assistant: one per level over
+the target's), the others one by one. Where the
 batch holds a head's caches (`head_caches`), a row drafting on its own takes its row out
 of them and puts it back.
 """
@@ -46,8 +47,8 @@ class Drafter:
     features: Optional[Tuple[int, ...]] = None
     max_depth: int = 1
     drafts_ahead: bool = False  # the engine may draft its next tree before the caller's turn
-    # reads the target's committed keys and values: the engine hands them over before each
-    # proposal (`take_kv(state, caches, n)`)
+    # reads the target's committed keys and values: the engine (or a batch) says where they
+    # are before each proposal (`take_kv`)
     reads_kv: bool = False
 
     @property
@@ -68,6 +69,11 @@ class Drafter:
         """features [m, F] (None where `features` is None) and tokens [m]: the positions
         this drafter has not seen, token i following the position of feature i (the last
         token is the root). Returns the tree to verify, root first."""
+        raise NotImplementedError
+
+    def take_kv(self, state, caches, n: int, row: Optional[int] = None) -> None:
+        """For a drafter that `reads_kv`: the target's caches (a batch's, with the sequence's
+        `row`) hold its `n` committed positions, read before the next proposal."""
         raise NotImplementedError
 
     def begin(self, state) -> None:

@@ -280,6 +280,11 @@ class MergedDrafter(Drafter):
         self.head.truncate(state[0], length)
         self.lookup.truncate(state[1], length)
 
+    reads_kv = property(lambda self: self.head.reads_kv)
+
+    def take_kv(self, state, caches, n: int, row=None) -> None:
+        self.head.take_kv(state[0], caches, n, row)
+
     def propose(self, state, features, tokens, root) -> Tree:
         return self.merge(state, self.head.propose(state[0], features, tokens, root), tokens)
 

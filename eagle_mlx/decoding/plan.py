@@ -133,7 +133,6 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
     # every cycle; under mx.distributed the ranks' timings differ, so the fixed choice
     auto = s.speculate == "auto" and not explicit and \
         getattr(model, "group", None) is None and \
-        not getattr(model.head, "reads_kv", False) and \
         (model.head is not None or getattr(model, "auto_lookup", None) is not None)
     tree = None if alone or auto else tree_plan(
         model, total_tokens, depth, draft_top_k, tree_choices,

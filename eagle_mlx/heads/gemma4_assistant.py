@@ -1,5 +1,5 @@
 """Gemma 4's assistant drafters (`model_type: gemma4_assistant`, Google's
-`gemma-4-*-it-assistant`): a few Gemma 4 decoder layers with no keys or values of their own.
+`gemma-4-*-it-assistant`; the 12B's `gemma4_unified_assistant`, the same module): a few Gemma 4 decoder layers with no keys or values of their own.
 Each step reads the target's committed keys and values of its last sliding and last full
 layer that keep them (one query per step, at a fixed position), takes
 `pre_projection(cat(target_embedding(token) · √H, h_prev))` as input and feeds
@@ -24,8 +24,27 @@ from ..targets.load import gemma4_overrides
 from .base import DraftHead, HeadSource
 
 
+ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
+
+
 def is_assistant_config(config: dict) -> bool:
-    return config.get("model_type") == "gemma4_assistant"
+    return config.get("model_type") in ASSISTANT_TYPES
+
+
+class AssistantState:
+    """What an assistant keeps of a sequence: how many positions it has seen, the target's
+    post-norm hidden state of the last of them, and where the target's committed keys and
+    values are (its caches, the sequence's row where they are a batch's, and how many
+    positions they hold), handed over before each proposal."""
+
+    def __init__(self):
+        self.offset = 0
+        self.hidden: Optional[mx.array] = None   # [1, backbone]
+        self.caches, self.row, self.n = None, None, 0
+
+    def truncate(self, length: int) -> None:
+        if length < self.offset:
+            self.offset, self.hidden = length, None
 
 
 @dataclass
@@ -77,7 +96,7 @@ class _Inner(nn.Module):
 class MaskedEmbedding(nn.Module):
     """The E2B/E4B output head: the `top_k` best of `num_centroids` clusters, scored through
     the tied embedding at their tokens' canonical positions (`token_ordering`), every other
-    token one below the lowest score."""
+    token one below the query's lowest score."""
 
     def __init__(self, args: AssistantArgs):
         super().__init__()
@@ -93,7 +112,11 @@ class MaskedEmbedding(nn.Module):
         canonical = self.token_ordering.astype(mx.int32).reshape(self.clusters, per)[top]
         canonical = canonical.reshape(*h.shape[:-1], -1)                     # [..., k*per]
         scores = (weight[canonical] @ h[..., None])[..., 0]
-        out = mx.full((*h.shape[:-1], V), scores.min() - 1.0, dtype=h.dtype)
+        # (transformers fills with the whole call's lowest score less one; here each query's
+        # own, so that a tree node's distribution does not depend on the others drafted
+        # with it — the same for one query)
+        low = scores.min(axis=-1, keepdims=True) - 1.0
+        out = mx.broadcast_to(low, (*h.shape[:-1], V)).astype(h.dtype)
         return mx.put_along_axis(out, canonical, scores, axis=-1)
 
 
@@ -119,29 +142,51 @@ class Gemma4Assistant(DraftHead):
     draft_vocab_size = property(lambda self: self.args.text.vocab_size)
     num_layers = property(lambda self: self.args.text.num_hidden_layers)
 
-    def step(self, x: mx.array, shared: Dict[str, Tuple[mx.array, mx.array]],
-             position) -> Tuple[mx.array, mx.array]:
-        """One drafting step for B queries: x [B, 1, 2·backbone] (the embedded token scaled by
-        √backbone, then h_prev), `shared` the target's committed keys and values by layer type
-        ([1 or B, kv heads, n, D], roped and normed as the target keeps them), `position` the
-        queries' position. Returns (logits [B, V], the next h_prev [B, 1, backbone])."""
-        text = self.args.text
+    def make_cache(self) -> AssistantState:
+        return AssistantState()
+
+    def cache_layers(self, cache) -> None:
+        return None  # (no keys or values of its own)
+
+    def step(self, x: mx.array, shared: Dict[str, tuple], position) -> Tuple[mx.array, mx.array]:
+        """One drafting step for N sequences of L queries each (queries never see each
+        other: a sequence's L are a tree level's nodes): x [N, L, 2·backbone] (the embedded
+        token scaled by √backbone, then h_prev), `shared` the target's committed keys and
+        values by layer type, roped and normed as the target keeps them: (keys, values)
+        [1 or N, kv heads, n, D], every position committed, or (keys, values, held) with
+        `held` [N] how many of the slots each sequence holds (the rest padding); `position`
+        the queries' position (or [N], each sequence's). Returns (logits [N, L, V], the next
+        h_prev [N, L, backbone])."""
+        window = self.args.text.sliding_window + 1
         h = self.pre_projection(x)
+        N = h.shape[0]
+        masks = {}
+        for kind, kv in shared.items():
+            k, v = kv[:2]
+            if len(kv) == 3:  # ragged: each sequence's own slots (within the window)
+                held = mx.array(kv[2])[:, None]
+                slot = mx.arange(k.shape[2])[None, :]
+                seen = slot < held
+                if kind == "sliding_attention":
+                    seen = seen & (slot >= held - window)
+                masks[kind] = (seen[:, None, None, :], k, v)
+                continue
+            if kind == "sliding_attention" and k.shape[2] > window:
+                k, v = k[..., -window:, :], v[..., -window:, :]
+            if k.shape[0] != N:
+                k = mx.broadcast_to(k, (N, *k.shape[1:]))
+                v = mx.broadcast_to(v, (N, *v.shape[1:]))
+            masks[kind] = (None, k, v)
+        if not isinstance(position, int):
+            position = mx.array(position)
         for layer in self.model.layers:
-            kind = layer.layer_type
-            k, v = shared[kind]
-            w = text.sliding_window + 1
-            if kind == "sliding_attention" and k.shape[2] > w:
-                k, v = k[..., -w:, :], v[..., -w:, :]
-            if k.shape[0] != h.shape[0]:
-                k = mx.broadcast_to(k, (h.shape[0], *k.shape[1:]))
-                v = mx.broadcast_to(v, (h.shape[0], *v.shape[1:]))
-            h, _, _ = layer(h, None, None, shared_kv=(k, v), offset=position)
+            mask, k, v = masks[layer.layer_type]
+            h, _, _ = layer(h, mask, None, shared_kv=(k, v), offset=position)
         h = self.model.norm(h)
         if "masked_embedding" in self:
-            logits = self.masked_embedding(h[:, 0], self.model.embed_tokens.weight)
+            logits = self.masked_embedding(h, self.model.embed_tokens.weight)
         else:
-            logits = self.model.embed_tokens.as_linear(h[:, 0])
+            logits = self.model.embed_tokens.as_linear(h)
         return logits, self.post_projection(h)
 
     def feature_taps(self, target) -> tuple:

@@ -207,16 +207,36 @@ class Target:
     def lm_head(self, hidden: mx.array) -> mx.array:
         return self.family.logits(hidden)
 
-    @staticmethod
-    def committed_kv(caches, layer: int, n: int):
+    def _cache_of(self, caches, layer: int):
+        """Layer `layer`'s own cache in `caches` (one per layer that keeps one)."""
+        kept = [i for i, m in enumerate(self.mechanisms) if m.source is None]
+        return caches[kept.index(layer)]
+
+    def committed_kv(self, caches, layer: int, n: int, row: Optional[int] = None):
         """The keys and values layer `layer` keeps for positions before `n`, in position
         order ([1, kv heads, rows, D], as its attention reads them: roped, normed), and the
         position of the first row (a window keeps only its last ones). Views of the cache's
-        buffer, no copy."""
-        cache = caches[layer]
-        base = getattr(cache, "base", 0)
-        rows = n - base
-        return cache.keys[..., :rows, :], cache.values[..., :rows, :], base
+        buffer, no copy. row: the sequence's row where `caches` are a batch's."""
+        cache = self._cache_of(caches, layer)
+        if row is not None:
+            k, v = cache.row(row)
+            base = cache.bases[row]
+        else:
+            k, v, base = cache.keys, cache.values, getattr(cache, "base", 0)
+        return k[..., : n - base, :], v[..., : n - base, :], base
+
+    def batch_committed_kv(self, caches, layer: int, rows: Sequence[int]):
+        """`committed_kv` for several rows of a batch at once: keys and values
+        [len(rows), kv heads, slots, D] (views where `rows` are the whole batch in order)
+        and how many slots each row holds (its committed positions, first ones first)."""
+        cache = self._cache_of(caches, layer)
+        rows = list(rows)
+        k, v = cache.keys, cache.values
+        if rows != list(range(len(cache.lengths))):
+            idx = mx.array(rows, dtype=mx.int32)
+            k, v = k[idx], v[idx]
+        held = [cache.held[r] for r in rows]
+        return k[..., : max(held), :], v[..., : max(held), :], held
 
     def output_projection(self, hidden: mx.array) -> mx.array:
         """The output projection without the model's final soft-cap (what a block drafter
