@@ -240,8 +240,8 @@ def build_assistant(config: dict, weights: Dict[str, mx.array], path: Path, targ
     """A Gemma 4 assistant from its config and tensors (transformers' names; its lm_head is
     its tied embedding), checked against the target where given."""
     head = Gemma4Assistant(AssistantArgs.from_config(config, path),
-                           HeadSource(path=path, layout="gemma4_assistant",
-                                      model_type="gemma4_assistant", config=config))
+                           HeadSource(path=path, layout=config["model_type"],
+                                      model_type=config["model_type"], config=config))
     if target is not None:
         head.check_target(target, f"Gemma 4 assistant {path}")
     weights = dict(weights)

@@ -347,7 +347,7 @@ class LayerCallFamily(Family):
     layer_calls = True
 
     def windows(self):
-        types = getattr(self.inner, "layer_types", None) or self.config.get("layer_types")
+        types = getattr(self.inner, "layer_types", None) or self.text_config().get("layer_types")
         return _layer_type_windows(types, self.text_config().get("sliding_window"))
 
     def mlx_lm_exact(self, windows) -> bool:
@@ -487,6 +487,7 @@ FAMILIES = {
     "llama": Family, "mistral": Family, "mixtral": Family, "qwen2": Family, "qwen3": Family,
     "qwen3_moe": Family, "gpt_oss": LayerCallFamily, "gemma3_text": Gemma3Family,
     "gemma3": Gemma3Family, "gemma4_text": Gemma4Family, "gemma4": Gemma4Family,
+    "gemma4_unified": Gemma4Family,
     "ministral3": Ministral3Family, "mistral3": Ministral3Family,
     **{t: HybridFamily for t in HYBRID_TYPES},
 }

@@ -73,8 +73,12 @@ def _config_overrides(config: dict, path: Path) -> dict:
         return {"text_config": text}
     if kind == "gemma4_text":
         return gemma4_overrides(config)
-    if kind == "gemma4" and isinstance(config.get("text_config"), dict):
-        return {"text_config": {**config["text_config"], **gemma4_overrides(config["text_config"])}}
+    if kind in ("gemma4", "gemma4_unified") and isinstance(config.get("text_config"), dict):
+        text = config["text_config"]
+        out = {"text_config": {**text, **gemma4_overrides(text)}}
+        if "vocab_size" not in config and "vocab_size" in text:  # (mlx-lm reads it here)
+            out["vocab_size"] = text["vocab_size"]
+        return out
     if kind in ("ministral3", "mistral3"):
         return {}  # mlx-lm reads their rope_parameters itself
     if kind in HYBRID_TYPES:
@@ -144,13 +148,18 @@ def gemma4_overrides(text: dict) -> dict:
     """Gemma 4: transformers >= 5 writes the full-attention layers' head size (and, with
     `attention_k_eq_v`, their key/value heads) in `per_layer_config`; mlx-lm reads
     `global_head_dim` and `num_global_key_value_heads`."""
+    out = {}
+    if text.get("model_type") == "gemma4_unified_text":
+        # (the 12B's language model: what mlx-lm's defaults, made for the others, would add)
+        out = {"hidden_size_per_layer_input": text.get("hidden_size_per_layer_input") or 0,
+               "use_double_wide_mlp": bool(text.get("use_double_wide_mlp", False)),
+               "final_logit_softcapping": text.get("final_logit_softcapping")}
     per_layer = text.get("per_layer_config")
     if not isinstance(per_layer, dict) or "global_head_dim" in text:
-        return {}
+        return out
     types = text.get("layer_types") or []
     full = [per_layer.get(str(i)) or per_layer.get(i) or {}
             for i, t in enumerate(types) if t == "full_attention"]
-    out = {}
     if full and "head_dim" in full[0]:
         out["global_head_dim"] = full[0]["head_dim"]
     if full and "num_key_value_heads" in full[0]:
@@ -235,7 +244,11 @@ def check_config(config: dict, path: Path) -> None:
             f"model type '{model_type}' in {where} is not supported; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
         )
-    text = config.get("text_config") if model_type in ("gemma3", "gemma4", "mistral3") else None
+    text = config.get("text_config") if model_type in ("gemma3", "gemma4", "gemma4_unified",
+                                                       "mistral3") else None
+    if model_type == "gemma4_unified" and (text or {}).get("use_bidirectional_attention") == "all":
+        raise EagleError(f"{where}: its language model attends bidirectionally over all tokens "
+                         "(use_bidirectional_attention \"all\"), which decoding does not.")
     if model_type == "mistral3":
         inner = (text or {}).get("model_type")
         if inner not in ("ministral3", "mistral", "llama"):
