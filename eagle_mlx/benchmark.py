@@ -197,6 +197,16 @@ def cost_curves(model, prefix_len, sizes, reps=5):
                                     target).argmax(-1))
 
             draft[k] = _median_time(run_block, reps)
+        elif getattr(head, "reads_kv", False):  # k single-query steps side by side
+            shared = {kind: tuple(target.committed_kv(cache, layer, prefix_len)[:2])
+                      for kind, layer in head.kv_layers(target).items()}
+            x = mx.zeros((1, k, 2 * head.feature_size), dtype=target.dtype)
+
+            def run_steps():
+                logits, fed = head.step(x, shared, prefix_len)
+                mx.eval(logits.argmax(-1), fed)
+
+            draft[k] = _median_time(run_steps, reps)
         elif head is not None:
             hcache = head.make_cache()
             feats = mx.zeros((1, prefix_len, head.feature_size), dtype=target.dtype)
@@ -219,12 +229,23 @@ def _interp(curve, k):
     return float(np.interp(k, ks, [curve[x] for x in ks]))
 
 
-def draft_seconds(tree, tau, draft, block: bool = False):
-    """Head time of a cycle from its cost curve: catch-up over ~tau tokens + `depth` steps
-    (block: one block as deep as the tree, the catch-up folded into it)."""
-    if block:
+def drafter_kind(head) -> str:
+    """How a head's draft time grows with the tree: "block" (one block pass a cycle),
+    "steps" (a Gemma 4 assistant: one query at the root, then `depth` levels of `draft_top_k`,
+    nothing to catch up on) or "head" (an EAGLE head or MTP module)."""
+    if getattr(head, "block", False):
+        return "block"
+    return "steps" if getattr(head, "reads_kv", False) else "head"
+
+
+def draft_seconds(tree, tau, draft, kind: str = "head"):
+    """Head time of a cycle from its cost curve (`drafter_kind`): catch-up over ~tau tokens
+    + `depth` steps (block: one block as deep as the tree, the catch-up folded into it;
+    steps: the root's step instead of a catch-up)."""
+    if kind == "block":
         return _interp(draft, tree["depth"] + 1)
-    return _interp(draft, tree["draft_top_k"]) * tree["depth"] + _interp(draft, tau)
+    first = _interp(draft, 1) if kind == "steps" else _interp(draft, tau)
+    return _interp(draft, tree["draft_top_k"]) * tree["depth"] + first
 
 
 def modelled_cycle(tree, tau, verify, draft, calibration):
@@ -233,7 +254,7 @@ def modelled_cycle(tree, tau, verify, draft, calibration):
     acceptance per tree node (sampling turns every node's logits into a distribution), plus
     the profiled fixed cost (cache update, loop)."""
     return (_interp(verify, tree["total_tokens"])
-            + draft_seconds(tree, tau, draft, calibration.get("block", False))
+            + draft_seconds(tree, tau, draft, calibration.get("drafter", "head"))
             * calibration["draft_scale"]
             + calibration["accept_seconds_per_node"] * tree["total_tokens"]
             + calibration["fixed_seconds"])
@@ -534,7 +555,7 @@ def summarise(per_prompt, trees):
     return plain_tps, summary
 
 
-def calibrate(per_prompt, trees, default, summary, verify, draft, block: bool = False):
+def calibrate(per_prompt, trees, default, summary, verify, draft, kind: str = "head"):
     """The cycle model's constants from the default tree's profile; with the default tree
     among those measured, its measured (unsynced) cycle scales the model too."""
     per_cycle = {k: statistics.mean(r["cycle_seconds"][k] for r in per_prompt)
@@ -543,10 +564,10 @@ def calibrate(per_prompt, trees, default, summary, verify, draft, block: bool = 
         if default in trees else summary[0]["tau"]
     calibration = {
         "draft_scale": per_cycle["draft"] / max(draft_seconds(default, default_tau, draft,
-                                                              block), 1e-9),
+                                                              kind), 1e-9),
         "accept_seconds_per_node": per_cycle["accept"] / default["total_tokens"],
         "fixed_seconds": per_cycle["update"] + per_cycle["other"],
-        "block": block,  # a block drafter: one block a cycle, whatever the tree's width
+        "drafter": kind,  # how its draft time grows with the tree (`drafter_kind`)
     }
     if default in trees:
         real = statistics.mean(r["generation_tokens"] / max(r["tokens_per_second"], 1e-9)
@@ -659,7 +680,7 @@ def measure_trees(model, tokenizer, encoded, args, trees) -> dict:
         # summarise and calibrate: the model's expected speedup of every tree
         plain_tps, summary = summarise(per_prompt, trees)
         per_cycle, calibration = calibrate(per_prompt, trees, default, summary, verify, draft,
-                                           getattr(model.head, "block", False))
+                                           drafter_kind(model.head))
         for s in summary:
             s["expected_speedup"] = expected_tokens_per_second(
                 s["tree"], s["tau"], verify, draft, calibration) / plain_tps

@@ -387,3 +387,76 @@ def make_dspark_drafter(folder: Path, target_folder: Path, dflash_folder: Path,
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return folder
+
+
+def make_gemma4_assistant(folder: Path, target_folder: Path, steps: int = 0, seed: int = 0,
+                          ordered: bool = False, hidden_size: int = 32, unroll: int = 3,
+                          temp: float = 0.0, log=None) -> Path:
+    """A tiny Gemma 4 assistant (transformers' `Gemma4AssistantForCausalLM`: 4 layers, three
+    sliding and one full, reading the target's keys and values) for the transformers Gemma 4
+    target in `target_folder`, trained `steps` steps on the target's continuations of random
+    prompts (greedy, or sampled at `temp`) — each step `unroll` chained drafting steps from a
+    random committed position, teacher-forced, as it drafts — and saved as the published ones
+    are. ordered: the E2B/E4B centroid head (8 clusters, the best 2), over a random token
+    ordering. log: called with each step's mean loss."""
+    import torch
+    from transformers import (AutoModelForCausalLM, Gemma4AssistantConfig,
+                              Gemma4AssistantForCausalLM, Gemma4TextConfig)
+
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_pretrained(str(target_folder), dtype=torch.float32).eval()
+    tc = target.config
+    V = tc.vocab_size
+    text = Gemma4TextConfig(
+        vocab_size=V, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=tc.num_key_value_heads,
+        head_dim=16, global_head_dim=32, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        sliding_window=tc.sliding_window, hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0, num_kv_shared_layers=4,
+        rope_parameters=tc.rope_parameters, rms_norm_eps=1e-6, max_position_embeddings=512)
+    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=tc.hidden_size,
+                                   use_ordered_embeddings=ordered, num_centroids=8,
+                                   centroid_intermediate_top_k=2)
+    model = Gemma4AssistantForCausalLM(config)
+    if ordered:  # (transformers leaves the ordering zero: a permutation of the vocabulary)
+        with torch.no_grad():
+            model.masked_embedding.token_ordering.copy_(torch.randperm(V))
+    if steps:
+        g = torch.Generator().manual_seed(seed + 1)
+        seqs = torch.randint(3, V - 1, (64, 6), generator=g)
+        with torch.no_grad():
+            for _ in range(42):
+                logits = target(seqs).logits[:, -1]
+                nxt = logits.argmax(-1) if temp == 0 else torch.multinomial(
+                    torch.softmax(logits / temp, -1), 1, generator=g)[:, 0]
+                seqs = torch.cat([seqs, nxt[:, None]], dim=1)
+        embed = target.get_input_embeddings()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        T = seqs.shape[1]
+        model.train()
+        for _ in range(steps):
+            a = int(torch.randint(6, T - unroll, (1,), generator=g))
+            rows = torch.randint(0, seqs.shape[0], (16,), generator=g)
+            with torch.no_grad():  # the committed state: positions before a
+                out = target(seqs[rows, :a], output_hidden_states=True,
+                             return_shared_kv_states=True)
+                h = out.hidden_states[-1][:, -1:]
+            loss = 0.0
+            for k in range(unroll):
+                with torch.no_grad():
+                    e = embed(seqs[rows, a + k: a + k + 1])
+                r = model(inputs_embeds=torch.cat([e, h], dim=-1),
+                          position_ids=torch.full((16, 1), a),
+                          shared_kv_states=out.shared_kv_states,
+                          attention_mask=torch.ones(16, a + 1, dtype=torch.long))
+                loss = loss + torch.nn.functional.cross_entropy(
+                    r.logits[:, 0], seqs[rows, a + k + 1])
+                h = r.last_hidden_state
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if log is not None:
+                log(float(loss.detach()) / unroll)
+    model.eval()
+    model.save_pretrained(str(folder))
+    return folder
