@@ -359,17 +359,17 @@ def test_convert_writes_a_folder_read_back_identically(pair, tmp_path):
     """`convert --eagle <DFlash drafter>` writes an MLX folder whose blocks are the
     checkpoint's, bit for bit (float32), and a quantized one that drafts the same chains
     here; the speculators layout, which holds EAGLE-3 heads only, is refused."""
-    from test_cli import cli, one_sentence
+    from test_cli import one_sentence, tool
 
     target_dir, draft_dir = pair
     out, quant = tmp_path / "mlx", tmp_path / "q8"
-    proc = cli("convert", "--eagle", draft_dir, "--mlx-path", out)
+    proc = tool("convert", "--eagle", draft_dir, "--mlx-path", out)
     assert proc.returncode == 0, proc.stderr
     assert "DFlash drafter (blocks of 4), reading target layers [0, 2]" in proc.stdout
-    proc = cli("convert", "--eagle", draft_dir, "--mlx-path", quant, "-q", "--q-bits", "8",
+    proc = tool("convert", "--eagle", draft_dir, "--mlx-path", quant, "-q", "--q-bits", "8",
                "--q-group-size", "32")
     assert proc.returncode == 0, proc.stderr
-    one_sentence(cli("convert", "--eagle", draft_dir, "--mlx-path", tmp_path / "s",
+    one_sentence(tool("convert", "--eagle", draft_dir, "--mlx-path", tmp_path / "s",
                      "--layout", "speculators"), 1, "holds EAGLE-3 heads")
     assert not (tmp_path / "s").exists()
     ref, tok = eagle_mlx.load(str(target_dir), eagle=str(draft_dir))

@@ -1,4 +1,8 @@
-"""The command-line tools, run as a user runs them: real subprocesses on tiny local models."""
+"""The command-line tools, run as a user runs them: real subprocesses on tiny local models
+(`cli`) where the process is part of what is tested — output streamed, stdin, the
+environment read at import; the answers to bad input and the converter's runs through the
+tools' own `main(argv)`, what their console scripts call (`tool`: a process start costs
+seconds of mlx-lm's imports here)."""
 
 import json
 import os
@@ -9,7 +13,7 @@ import sys
 import pytest
 
 import eagle_mlx
-from tiny import ROOT, make_eagle_head, make_hf_model, tiny_llama
+from tiny import ROOT, make_eagle_head, make_hf_model, tiny_llama, tool
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +97,7 @@ def test_chat_two_turns_reset_quit(pair):
 def test_chat_trims_old_turns_to_fit_the_context(pair):
     target, head = pair
     turns = "\n".join(" ".join(f"t{3 + (i * 7 + j) % 60}" for j in range(20)) for i in range(6))
-    proc = cli("chat", "--model", target, "--eagle", head, "--max-tokens", 30, stdin=turns + "\n")
+    proc = tool("chat", "--model", target, "--eagle", head, "--max-tokens", 30, stdin=turns + "\n")
     assert proc.returncode == 0, proc.stderr
     assert "history trimmed" in proc.stderr
 
@@ -110,19 +114,19 @@ def test_bad_flag_values_are_usage_errors(pair, flags, fragment):
 
 def test_empty_and_too_long_prompts(pair):
     target, head = pair
-    one_sentence(cli("generate", "--model", target, "--prompt", "  "), 2, "--prompt is empty")
+    one_sentence(tool("generate", "--model", target, "--prompt", "  "), 2, "--prompt is empty")
     long = " ".join(["t5"] * 200)
-    one_sentence(cli("generate", "--model", target, "--prompt", long), 2,
+    one_sentence(tool("generate", "--model", target, "--prompt", long), 2,
                  "--prompt is", "context of 128 tokens")
 
 
 @pytest.mark.long
 def test_bad_model_and_head_paths(pair, tmp_path):
     target, head = pair
-    one_sentence(cli("generate", "--model", tmp_path / "missing", "--prompt", "t5"), 1, "does not exist")
-    one_sentence(cli("generate", "--model", tmp_path, "--prompt", "t5"), 1, "has no config.json")
+    one_sentence(tool("generate", "--model", tmp_path / "missing", "--prompt", "t5"), 1, "does not exist")
+    one_sentence(tool("generate", "--model", tmp_path, "--prompt", "t5"), 1, "has no config.json")
     other = make_hf_model(tmp_path / "wide", "llama", hidden_size=96, vocab_size=64, num_hidden_layers=2)
-    one_sentence(cli("generate", "--model", other, "--eagle", head, "--prompt", "t5"), 1,
+    one_sentence(tool("generate", "--model", other, "--eagle", head, "--prompt", "t5"), 1,
                  "hidden size 64", "hidden size 96")
 
 
@@ -191,16 +195,15 @@ def test_benchmark_chooses_the_draft_vocabulary(pair, tmp_path, monkeypatch):
     data = tmp_path / "answers.json"
     data.write_text(json.dumps([{"conversations": [{"from": "human", "value": "t5"},
                                                    {"from": "gpt", "value": "t6 t7 t8 t9"}]}]))
-    proc = cli("benchmark", "--model", target, "--eagle", head, "--prompts", prompts,
-               "--max-tokens", 10, "--trees", "4/2/2", "--draft-vocabs", 8, 0,
-               "--draft-vocab-data", data, "--output", tmp_path / "b.json", "--save-tuning",
-               env={"EAGLE_MLX_CACHE": str(cache)})
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(cache))
+    proc = tool("benchmark", "--model", target, "--eagle", head, "--prompts", prompts,
+                "--max-tokens", 10, "--trees", "4/2/2", "--draft-vocabs", 8, 0,
+                "--draft-vocab-data", data, "--output", tmp_path / "b.json", "--save-tuning")
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "b.json").read_text())
     assert set(report["draft_vocabs"]) == {"8", "0"}
     chosen = report["choice"]["draft_vocab"]
     assert chosen in (8, 0)
-    monkeypatch.setenv("EAGLE_MLX_CACHE", str(cache))
     model, _ = eagle_mlx.load(str(target), eagle=str(head), draft_vocab_data=str(data))
     assert model.head.draft_vocab_size == (chosen or 64)
     model, _ = eagle_mlx.load(str(target), eagle=str(head), draft_vocab=0)

@@ -226,13 +226,13 @@ def test_assistants_that_do_not_fit_are_refused_in_one_sentence(pair, tmp_path):
 
 
 def test_convert_writes_an_assistant_read_back_identically(pair, tmp_path):
-    from test_cli import cli
+    from test_cli import tool
 
     from eagle_mlx.decoding.drafters import head_drafter
     from eagle_mlx.decoding.engine import Engine, SamplingParams
 
     target_dir, assistant_dir = pair
-    proc = cli("convert", "--eagle", assistant_dir, "--mlx-path", tmp_path / "mlx")
+    proc = tool("convert", "--eagle", assistant_dir, "--mlx-path", tmp_path / "mlx")
     assert proc.returncode == 0 and "Gemma 4 assistant (4 layers)" in proc.stdout, proc.stderr
     trees = []
     for d in (assistant_dir, tmp_path / "mlx"):

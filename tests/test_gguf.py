@@ -4,9 +4,6 @@ The files are written here with the PyPI `gguf` package the way llama.cpp's conv
 writes them (tensor names, permuted Q/K rows, ggml types, vocabulary metadata).
 """
 
-import subprocess
-import sys
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -15,7 +12,7 @@ import pytest
 from eagle_mlx import load_target
 from gguf_files import (CHATML, CORPUS, SPECIALS, train_gpt2_vocab, train_spm_vocab,
                         write_gguf, write_gpt_oss_gguf)
-from tiny import ROOT, make_hf_model
+from tiny import make_hf_model, tool
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (test extra) is not installed")
 
@@ -307,9 +304,7 @@ def test_convert_writes_a_gguf_target_as_an_mlx_folder(tmp_path, hf_folders, gpt
     path = write_gguf(tmp_path / "mix.gguf", hf_folders["tied"], "gpt2", types=QUANT_MIX,
                       gpt2_vocab=gpt2_vocab)
     out = tmp_path / "mlx"
-    proc = subprocess.run([sys.executable, "-m", "eagle_mlx.convert", "--model", str(path),
-                           "--mlx-path", str(out)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+    proc = tool("convert", "--model", path, "--mlx-path", out)
     assert proc.returncode == 0, proc.stderr
     model, tok = mlx_lm.load(str(out))
     ours, our_tok = load_target(str(path), dtype="stored")

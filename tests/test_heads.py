@@ -4,8 +4,6 @@ float64 NumPy reference, and refusal of unsafe or broken checkpoints."""
 import json
 import os
 import pickle
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import pytest
 from eagle_mlx import EagleError, load_target
 from eagle_mlx.heads.read import load_head
 from eagle_mlx.convert import main as convert_main
-from tiny import ORACLE, ROOT, oracle_reference, requires_oracle
+from tiny import ORACLE, oracle_reference, requires_oracle, tool
 
 torch = pytest.importorskip("torch")
 
@@ -326,8 +324,7 @@ def test_truncated_checkpoint_is_one_sentence(tmp_path):
     data = (src / "pytorch_model.bin").read_bytes()
     (src / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "eagle_mlx.convert", "--eagle", str(src),
-                           "--mlx-path", str(out)], capture_output=True, text=True, cwd=ROOT)
+    proc = tool("convert", "--eagle", src, "--mlx-path", out)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "truncated" in proc.stderr

@@ -196,10 +196,10 @@ def test_bad_lookup_settings_are_refused():
 def test_the_tools_take_lookup_and_refuse_its_bad_values(pair):
     """generate --lookup (no head) prints what plain decoding prints; the settings without
     --lookup, or out of range, are refused in one sentence (exit 2)."""
-    from test_cli import chat_ids, cli, one_sentence
+    from test_cli import chat_ids, one_sentence, tool
 
     target, _ = pair
-    proc = cli("generate", "--model", target, "--lookup", "--prompt", "t5 t9 t5 t9 t5",
+    proc = tool("generate", "--model", target, "--lookup", "--prompt", "t5 t9 t5 t9 t5",
                "--max-tokens", 20, "--verbose", "--speculate", "always")
     assert proc.returncode == 0, proc.stderr
     assert "prompt lookup alone" in proc.stdout + proc.stderr
@@ -207,7 +207,7 @@ def test_the_tools_take_lookup_and_refuse_its_bad_values(pair):
     ids = chat_ids(tok, [{"role": "user", "content": "t5 t9 t5 t9 t5"}])
     assert proc.stdout.split("==========\n")[1] == eagle_mlx.generate(model, tok, ids,
                                                                       max_tokens=20) + "\n"
-    one_sentence(cli("generate", "--model", target, "--lookup-max-draft", "3", "--prompt", "t5"),
+    one_sentence(tool("generate", "--model", target, "--lookup-max-draft", "3", "--prompt", "t5"),
                  2, "--lookup-max-draft", "needs --lookup")
-    one_sentence(cli("generate", "--model", target, "--lookup", "--lookup-min-match", "0",
+    one_sentence(tool("generate", "--model", target, "--lookup", "--lookup-min-match", "0",
                      "--prompt", "t5"), 2, "--lookup-min-match")

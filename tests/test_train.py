@@ -164,15 +164,12 @@ def test_bad_data_files(tmp_path):
 
 
 def test_bad_data_through_the_cli(setup, tmp_path):
-    import subprocess
-    import sys
+    from tiny import tool
 
     root, target, _ = setup
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
-    proc = subprocess.run([sys.executable, "-m", "eagle_mlx.train", "--model", str(target),
-                           "--data", str(bad), "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True)
+    proc = tool("train", "--model", target, "--data", bad, "--out", tmp_path / "o")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("error: entry 0 of --data file")
 

@@ -1,6 +1,8 @@
 """Tiny models built locally with transformers (the independent reference), and the oracle."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -460,3 +462,26 @@ def make_gemma4_assistant(folder: Path, target_folder: Path, steps: int = 0, see
     model.eval()
     model.save_pretrained(str(folder))
     return folder
+
+
+def tool(name, *args, stdin=None):
+    """A command-line tool's answer as a process gives it (a CompletedProcess: exit code,
+    stdout, stderr), from its `main(argv)` — what its console script calls — run in this
+    process (a process start costs seconds of mlx-lm's imports here)."""
+    import contextlib
+    import importlib
+    import io
+
+    main = importlib.import_module(f"eagle_mlx.{name}").main
+    out, err, saved = io.StringIO(), io.StringIO(), sys.stdin
+    if stdin is not None:
+        sys.stdin = io.TextIOWrapper(io.BytesIO(stdin.encode()))
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # (argparse's usage errors)
+                code = e.code
+    finally:
+        sys.stdin = saved
+    return subprocess.CompletedProcess([name, *args], code or 0, out.getvalue(), err.getvalue())
