@@ -156,6 +156,36 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-choices", default=None,
                    help="EAGLE-1 static tree: 'mc_sim_7b_63' or a JSON list of paths")
     add_speculate_arg(p)
+    add_kv_args(p)
+
+
+def add_kv_args(p: argparse.ArgumentParser) -> None:
+    """mlx-lm's KV cache quantization flags, meaning what they mean there."""
+    p.add_argument("--kv-bits", type=int, default=None,
+                   help="quantize the KV cache to this many bits (2, 3, 4, 5, 6 or 8; default: "
+                        "no quantization)")
+    p.add_argument("--kv-group-size", type=int, default=None,
+                   help="group size of the KV cache quantization (32, 64 or 128; default 64)")
+    p.add_argument("--quantized-kv-start", type=int, default=None,
+                   help="quantize the KV cache once it holds this many positions (default "
+                        "5000)")
+
+
+def kv_settings(args) -> dict:
+    """The GenerationSettings fields the KV flags give; a group size or start without
+    --kv-bits is a usage error."""
+    if args.kv_bits is None:
+        for flag in ("kv_group_size", "quantized_kv_start"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"{flag_name(flag)} applies to a quantized KV cache; give "
+                                 "--kv-bits too.")
+        return {}
+    out = {"kv_bits": args.kv_bits}
+    if args.kv_group_size is not None:
+        out["kv_group_size"] = args.kv_group_size
+    if args.quantized_kv_start is not None:
+        out["quantized_kv_start"] = args.quantized_kv_start
+    return out
 
 
 SPECULATE = {"auto": "auto", "always": True, "never": False}
@@ -183,7 +213,7 @@ def settings_from_args(args):
         max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, total_tokens=args.total_tokens, depth=args.depth,
         draft_top_k=args.draft_top_k, tree_choices=tree_choices,
-        speculate=SPECULATE[args.speculate])
+        speculate=SPECULATE[args.speculate], **kv_settings(args))
     try:
         return settings.check(name=flag_name)
     except EagleError as e:

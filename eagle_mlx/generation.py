@@ -43,6 +43,9 @@ def stream_generate(
     prompt_cache: Optional[PromptCache] = None,
     settings: Optional[GenerationSettings] = None,
     logprobs: Optional[int] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
 ) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per target forward pass.
 
@@ -64,13 +67,16 @@ def stream_generate(
     logprobs: None, or report every token's log-probability (`GenerationResponse.logprobs`)
     with that many top alternatives (0-20): under the target's distribution in greedy
     decoding, under the one drawn from (after the filters and temperature) when sampling.
+    kv_bits, kv_group_size, quantized_kv_start: quantized KV caches, as mlx-lm's
+    generate_step takes them (every full-attention cache packed to kv_bits once it holds
+    quantized_kv_start positions; sliding windows and recurrent states stay in float).
     settings: a `GenerationSettings` holding all of the above at once (given, it is used
     instead of the keyword arguments).
     """
     if settings is None:
         settings = GenerationSettings(max_tokens, temp, top_p, top_k, min_p, seed, total_tokens,
                                       depth, draft_top_k, tree_choices, max_context, speculate,
-                                      logprobs)
+                                      logprobs, kv_bits, kv_group_size, quantized_kv_start)
     group = getattr(model, "group", None)
     if group is not None and isinstance(settings, GenerationSettings) and \
             settings.check().seed is None and settings.temp > 0:
@@ -79,11 +85,11 @@ def stream_generate(
     target, ids = model.target, run.ids
     if run.drafter is None:
         steps = plain_steps(target, ids, run.sampling, run.max_context, prompt_cache=prompt_cache,
-                            keys=run.keys, logprobs=run.logprobs)
+                            keys=run.keys, logprobs=run.logprobs, kv=run.kv)
     else:
         steps = speculative_steps(target, run.drafter, ids, run.sampling, run.max_context,
                                   prompt_cache=prompt_cache, keys=run.keys,
-                                  logprobs=run.logprobs)
+                                  logprobs=run.logprobs, kv=run.kv)
     max_tokens = settings.max_tokens
     with mlxlm.wired_limit(target.model, [generation_stream]):
         try:

@@ -18,6 +18,9 @@ import importlib
 _NAMES = {
     "ArraysCache": "mlx_lm.models.cache",
     "KVCache": "mlx_lm.models.cache",
+    "QuantizedKVCache": "mlx_lm.models.cache",
+    "maybe_quantize_kv_cache": "mlx_lm.generate",
+    "quantized_scaled_dot_product_attention": "mlx_lm.models.base",
     "make_prompt_cache": "mlx_lm.models.cache",
     "create_causal_mask": "mlx_lm.models.base",
     "DynamicNTKScalingRoPE": "mlx_lm.models.rope_utils",

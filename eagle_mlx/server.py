@@ -23,7 +23,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional
 
-from .cli import ArgumentParser, add_model_args, add_speculate_arg, run_cli
+from .cli import ArgumentParser, add_kv_args, add_model_args, add_speculate_arg, run_cli
 from .errors import EagleError, is_int
 
 MAX_BODY_BYTES = 1 << 20  # default limit on a request body
@@ -741,6 +741,7 @@ def build_parser() -> ArgumentParser:
                    help="max_tokens of a request that gives none (capped by the context)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature of a request that gives none")
     add_speculate_arg(p)
+    add_kv_args(p)
     p.add_argument("--max-batch", type=int, default=1,
                    help="requests decoded at once, continuously batched, each its own tree "
                         "(default 1: one at a time, with a prompt cache kept across turns)")
@@ -753,7 +754,7 @@ def build_parser() -> ArgumentParser:
 
 
 def _main(argv) -> int:
-    from .cli import SPECULATE, UsageError, flag_name, load_from_args
+    from .cli import SPECULATE, UsageError, flag_name, kv_settings, load_from_args
     from .decoding.settings import GenerationSettings
 
     args = build_parser().parse_args(argv)
@@ -763,7 +764,8 @@ def _main(argv) -> int:
         raise UsageError(f"--max-body-bytes must be at least 1024 (got {args.max_body_bytes}).")
     try:  # the defaults of requests that give none
         defaults = GenerationSettings(max_tokens=args.max_tokens, temp=args.temp,
-                                      speculate=SPECULATE[args.speculate]).check(name=flag_name)
+                                      speculate=SPECULATE[args.speculate],
+                                      **kv_settings(args)).check(name=flag_name)
     except EagleError as e:
         raise UsageError(str(e)) from None
     if args.temp > MAX_TEMPERATURE:
@@ -772,6 +774,9 @@ def _main(argv) -> int:
         raise UsageError(f"--max-connections must be at least 1 (got {args.max_connections}).")
     if not 1 <= args.max_batch <= MAX_BATCH:
         raise UsageError(f"--max-batch must be from 1 to {MAX_BATCH} (got {args.max_batch}).")
+    if args.kv_bits is not None and args.max_batch > 1:
+        raise UsageError("--kv-bits quantizes one sequence's caches; a batch keeps float caches "
+                         "(give --max-batch 1 with --kv-bits).")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty.")
     model, tokenizer = load_from_args(args)

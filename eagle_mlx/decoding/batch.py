@@ -216,6 +216,8 @@ class BatchGenerator:
             check(not kwargs, "give the settings either as a GenerationSettings or as keyword "
                               "arguments, not both.")
         run = prepare(self.model, self.tokenizer, prompt, settings)
+        check(run.kv is None, "kv_bits quantizes one sequence's caches; a batch keeps float "
+                              "caches (generate with stream_generate for kv_bits).", "kv_bits")
         self._uid += 1
         seq = _Sequence(self._uid, run.ids, settings, prompt_cache=prompt_cache, record=record)
         seq.responses = responses(self.tokenizer, run.ids, self._pull(seq), settings.max_tokens,

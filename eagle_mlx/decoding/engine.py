@@ -24,7 +24,8 @@ import numpy as np
 
 from .accept import KeyChain, accept_drawn, accept_greedy, accept_sampling, process_logits
 from .logprobs import TokenLogprob, score
-from .tree import Tree
+from .settings import KVQuantization
+from .tree import Tree, pruned
 
 
 @dataclass
@@ -95,7 +96,8 @@ class Verified:
 
 class Engine:
     def __init__(self, target, drafter, sampling: SamplingParams, max_context: int,
-                 logprobs: Optional[int] = None, pipeline: bool = False):
+                 logprobs: Optional[int] = None, pipeline: bool = False,
+                 kv: Optional[KVQuantization] = None):
         """logprobs: report every token's log-probability with that many top alternatives
         (None: not). pipeline: a drafter that `drafts_ahead` drafts the next cycle (and
         verifies it, where it is a plain pass) before the caller gets this one's tokens —
@@ -103,6 +105,11 @@ class Engine:
         no prompt cache keeps them."""
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.max_context, self.logprobs, self.pipeline = max_context, logprobs, pipeline
+        # quantized KV caches (None: float), switched to as mlx-lm's generate_step does: the
+        # prompt but its last token first, and every step after, once a cache holds
+        # `kv.start` positions; a position from `kv.start` on is computed only after the
+        # switch (a tree that would reach past it before is cut back: `_before_switch`)
+        self.kv = kv
         self.root_logprobs = None  # the prefill's token's, where asked for
         self.taps = tuple(drafter.features or ())
         # recorder(position, hidden [n, H], tapped [n, H] per tap): the target's features of
@@ -138,16 +145,22 @@ class Engine:
         self.drafter.begin(state.drafter)
         prompt_ids = mx.array(list(prompt))
         chunks = [] if state.feats is None else [state.feats]
+        L = len(prompt)
+        if self.kv is None:
+            pieces = [(a, min(a + chunk, L)) for a in range(start, L, chunk)]
+        else:  # (mlx-lm's order: the prompt but its last token, then that token alone)
+            pieces = [(a, min(a + chunk, L - 1)) for a in range(start, L - 1, chunk)]
+            pieces.append((L - 1, L))
         with mx.stream(generation_stream):
-            for a in range(start, len(prompt), chunk):
-                hidden, tapped = target(prompt_ids[None, a: a + chunk], state.caches,
-                                        taps=self.taps)
+            for a, b in pieces:
+                hidden, tapped = target(prompt_ids[None, a: b], state.caches, taps=self.taps)
+                self._quantize(state)
                 f = self._features(hidden, tapped)
                 if f is not None:
                     chunks.append(f)
                 if self.recorder is not None:
                     self.recorder(a, hidden[0], [t[0] for t in tapped])
-                if a + chunk < len(prompt):
+                if b < L:
                     mx.eval(hidden, chunks, target.cache_arrays(state.caches))
                     mx.clear_cache()
                     yield
@@ -181,7 +194,8 @@ class Engine:
                 tree = self.draft(state)
                 verified = self.verify(state, tree)
             accepted = self.accept(tree, verified, state.key())
-            ahead = self.pipeline and self.drafter.drafts_ahead
+            ahead = self.pipeline and self.drafter.drafts_ahead and \
+                not self._before_switch(state)
             decided = self.decides_plain(state, tree)  # (pipelined or not: the same choices)
             nxt = self.prebuild(state, tree, accepted) if ahead else None
             started = nxt is not None and decided
@@ -264,8 +278,11 @@ class Engine:
         `reads_kv` is handed the target's committed keys and values first)."""
         if self.drafter.reads_kv:
             self.drafter.take_kv(state.drafter, state.caches, state.n)
-        return self.sampled(state, self.drafter.propose(state.drafter, state.feats,
+        tree = self.sampled(state, self.drafter.propose(state.drafter, state.feats,
                                                         state.tokens, state.root))
+        if self._before_switch(state) and state.n + self.drafter.max_depth >= self.kv.start:
+            tree = pruned(tree, self.kv.start - 1 - state.n)
+        return tree
 
     def sampled(self, state: State, tree: Tree) -> Tree:
         """A chain the drafter leaves to be drawn (`Tree.draw`): when sampling, its tokens
@@ -317,7 +334,18 @@ class Engine:
         path = np.flatnonzero(np.array(path_mask)).tolist()  # root first: parents precede
         if not kept:
             self.target.accept(state.caches, state.n, [state.n + i for i in path])
-        return self.advance(state, tree, verified, path, bonus.item())
+        step = self.advance(state, tree, verified, path, bonus.item())
+        self._quantize(state)
+        return step
+
+    def _before_switch(self, state: State) -> bool:
+        """Whether the caches are to be quantized at a later position (`kv`)."""
+        return self.kv is not None and state.n < self.kv.start
+
+    def _quantize(self, state: State) -> None:
+        """mlx-lm's switch to quantized caches, where due (`kv`)."""
+        if self.kv is not None:
+            self.target.quantize(state.caches, self.kv)
 
     def advance(self, state: State, tree: Tree, verified: Verified, path: List[int],
                 root_token: int) -> Step:
@@ -344,6 +372,7 @@ class Engine:
         """One token without a tree (near the end of the context, where none fits)."""
         with mx.stream(generation_stream):
             hidden, _ = self.target(state.root.reshape(1, 1), state.caches)
+            self._quantize(state)
             state.n += 1
             logits = self.target.lm_head(hidden[0, -1])
             state.root = self.sampling.pick(logits, state.key())

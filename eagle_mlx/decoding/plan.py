@@ -14,7 +14,7 @@ from .accept import KeyChain
 from .drafters import head_drafter
 from .engine import SamplingParams
 from .lookup import LookupDrafter, MergedDrafter
-from .settings import GenerationSettings, static_top_k
+from .settings import GenerationSettings, KVQuantization, static_top_k
 from .steps import PromptCache
 from .tree import TreeSpec
 
@@ -108,6 +108,7 @@ class Prepared:
     max_context: int
     keys: KeyChain
     logprobs: Optional[int] = None
+    kv: Optional[KVQuantization] = None  # quantized KV caches (None: float)
 
 
 def prepare(model, tokenizer, prompt, settings: GenerationSettings,
@@ -126,6 +127,8 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
            "prompt_cache must be an eagle_mlx.PromptCache.")
     check(hasattr(model, "target") and hasattr(model, "head"),
            "model must be the EagleModel that eagle_mlx.load returns.")
+    if s.kv is not None:  # (before anything is measured)
+        check_kv(model, s.kv)
     lookup = getattr(model, "lookup", None)  # prompt lookup: alone, or merged with the head
     alone = lookup is not None and model.head is None
     explicit = any(x is not None for x in (total_tokens, depth, draft_top_k, tree_choices))
@@ -166,4 +169,20 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
         if lookup is not None:
             drafter = MergedDrafter(drafter, LookupDrafter(lookup), total_tokens)
     return Prepared(ids, drafter, SamplingParams(temp, s.top_p, s.top_k, s.min_p), max_context,
-                    KeyChain.start(seed), s.logprobs)
+                    KeyChain.start(seed), s.logprobs, s.kv)
+
+
+def check_kv(model, kv: KVQuantization) -> None:
+    """One sentence where the target's caches cannot be quantized as asked."""
+    target = model.target
+    check(not target.kv_shared,
+          f"{target.path or 'the target'} has KV-shared layers (Gemma 4), which read another "
+          "layer's keys and values in float; kv_bits does not apply to it.", "kv_bits")
+    check(not target.attention_sinks,
+          f"{target.path or 'the target'} has attention sinks (gpt-oss), which mlx-lm's "
+          "quantized attention does not take; kv_bits does not apply to it.", "kv_bits")
+    for d in sorted(target.kv_head_dims()):
+        check(d % kv.group_size == 0,
+              f"a KV cache group size of {kv.group_size} (kv_group_size, --kv-group-size) "
+              f"does not divide the target's key/value head size {d}; give one that does "
+              "(32, 64 or 128).", "kv_group_size")

@@ -13,8 +13,6 @@ from ..errors import check, is_int
 from .tree import StaticTree
 
 
-
-
 def _is_real(x) -> bool:
     return (is_int(x) or isinstance(x, (float, np.floating))) and math.isfinite(x)
 
@@ -25,6 +23,23 @@ MAX_DEPTH = 64          # each level is one head forward per cycle
 MAX_TREE_NODES = 1024   # the verify pass attends between every pair of tree nodes
 MAX_SEED = 2**64 - 1    # MLX's random seed is an unsigned 64-bit integer
 MAX_TOP_LOGPROBS = 20   # alternatives per token a response may report (as OpenAI's API)
+
+# KV cache quantization, as mlx-lm's generate_step takes it: the bits and group sizes MLX's
+# affine quantization packs, and mlx-lm's default start
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+DEFAULT_QUANTIZED_KV_START = 5000
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """Quantized KV caches (mlx-lm's `kv_bits`, `kv_group_size`, `quantized_kv_start`):
+    every full-attention cache packed to `bits` in groups of `group_size` once it holds
+    `start` positions."""
+
+    bits: int
+    group_size: int = 64
+    start: int = DEFAULT_QUANTIZED_KV_START
 
 
 def static_top_k(tree_choices) -> int:
@@ -93,6 +108,16 @@ class GenerationSettings:
     max_context: Optional[int] = None
     speculate: Union[None, bool, str] = "auto"
     logprobs: Optional[int] = None
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
+
+    @property
+    def kv(self) -> Optional[KVQuantization]:
+        """The KV quantization asked for (None: float caches)."""
+        if self.kv_bits is None:
+            return None
+        return KVQuantization(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
     def check(self, name=lambda n: n) -> "GenerationSettings":
         """EagleError naming the first bad field (`name` turns a field into what the caller
@@ -109,6 +134,17 @@ class GenerationSettings:
               f"{name('logprobs')} must be None (off) or the number of top alternatives to "
               f"report with each token's log-probability, from 0 to {MAX_TOP_LOGPROBS} "
               f"(got {lp!r}).", "logprobs")
+        check(self.kv_bits is None or (is_int(self.kv_bits) and self.kv_bits in KV_BITS),
+              f"{name('kv_bits')} must be one of {', '.join(map(str, KV_BITS))} (bits per "
+              f"cached key and value), or None for float caches (got {self.kv_bits!r}).",
+              "kv_bits")
+        check(is_int(self.kv_group_size) and self.kv_group_size in KV_GROUP_SIZES,
+              f"{name('kv_group_size')} must be one of "
+              f"{', '.join(map(str, KV_GROUP_SIZES))} (got {self.kv_group_size!r}).",
+              "kv_group_size")
+        check(is_int(self.quantized_kv_start) and self.quantized_kv_start >= 0,
+              f"{name('quantized_kv_start')} must be a whole number of positions, 0 or more "
+              f"(got {self.quantized_kv_start!r}).", "quantized_kv_start")
         return self
 
     def replace(self, **changes) -> "GenerationSettings":

@@ -16,6 +16,7 @@ from .engine import PREFILL_STEP_SIZE, Engine, SamplingParams, State, Step
 from .logprobs import score
 from ..mlxlm import generate_step
 from .profiling import PhaseTimer, profiled_cycle
+from .settings import KVQuantization
 
 
 class PromptCache:
@@ -109,10 +110,12 @@ def _same(a, b) -> bool:
 def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
                 max_context: int, prompt_cache: Optional[PromptCache] = None,
                 keys: Optional[KeyChain] = None,
-                logprobs: Optional[int] = None) -> Iterator[Step]:
+                logprobs: Optional[int] = None,
+                kv: Optional[KVQuantization] = None) -> Iterator[Step]:
     """Autoregressive decoding of the target alone through mlx-lm's `generate_step`
     (keys: the random keys of its draws; None: MLX's global random state; logprobs: report
-    each token's log-probability with that many alternatives)."""
+    each token's log-probability with that many alternatives; kv: quantized KV caches, as
+    generate_step's kv_bits, kv_group_size and quantized_kv_start)."""
     pc = prompt_cache if prompt_cache is not None else PromptCache()
 
     def sampler(logprobs):  # [1, V]: drawn as a row of a batch draws it, over [V]
@@ -124,7 +127,10 @@ def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
     n = len(prompt)  # tokens in the cache once the last yielded token is fed
     for token, lp in generate_step(mx.array(list(prompt[start:])), target.plain_model,
                                    max_tokens=-1, sampler=sampler, prompt_cache=pc.target,
-                                   prefill_step_size=PREFILL_STEP_SIZE):
+                                   prefill_step_size=PREFILL_STEP_SIZE,
+                                   **({} if kv is None else dict(
+                                       kv_bits=kv.bits, kv_group_size=kv.group_size,
+                                       quantized_kv_start=kv.start))):
         token = int(token)
         cached.append(token)
         # generate_step has fed the token it yields (it computes one step ahead)
@@ -143,7 +149,8 @@ def speculative_steps(target, drafter, prompt: Sequence[int], sampling: Sampling
                       prompt_cache: Optional[PromptCache] = None,
                       keys: Optional[KeyChain] = None,
                       logprobs: Optional[int] = None,
-                      pipeline: Optional[bool] = None) -> Iterator[Step]:
+                      pipeline: Optional[bool] = None,
+                      kv: Optional[KVQuantization] = None) -> Iterator[Step]:
     """Speculative decoding with any drafter (`drafters.Drafter`); yields one Step per
     target forward (keys: the random keys of its draws; None: MLX's global state;
     logprobs: as `plain_steps`).
@@ -158,7 +165,7 @@ def speculative_steps(target, drafter, prompt: Sequence[int], sampling: Sampling
     if pipeline is None:
         pipeline = timer is None and (prompt_cache is None or not target.node_state_bytes)
     engine = Engine(target, drafter, sampling, max_context or target.max_context, logprobs,
-                    pipeline=pipeline)
+                    pipeline=pipeline, kv=kv)
     pc = prompt_cache if prompt_cache is not None else PromptCache()
     start = pc.reuse(target, drafter, prompt)
     state = pc.state()
@@ -185,9 +192,10 @@ def eagle_steps(target, head, prompt: Sequence[int], sampling: SamplingParams,
                 tree_choices=None, max_context: Optional[int] = None,
                 trace: bool = False, timer: Optional[PhaseTimer] = None,
                 prompt_cache: Optional[PromptCache] = None,
-                keys: Optional[KeyChain] = None) -> Iterator[Step]:
+                keys: Optional[KeyChain] = None,
+                kv: Optional[KVQuantization] = None) -> Iterator[Step]:
     """Speculative decoding with a head (dynamic tree, or static `tree_choices`; a block
-    drafter's DDTree)."""
+    drafter's DDTree); kv: quantized KV caches."""
     drafter = head_drafter(head, target, total_tokens, depth, draft_top_k, tree_choices)
     return speculative_steps(target, drafter, prompt, sampling, max_context, trace, timer,
-                             prompt_cache, keys)
+                             prompt_cache, keys, kv=kv)

@@ -55,6 +55,23 @@ def tree_from_parents(tokens: mx.array, parents: mx.array, scores: mx.array,
     return Tree(tokens, parents, anc, anc.sum(axis=1) - 1, scores)
 
 
+def pruned(tree: Tree, max_depth: int) -> Tree:
+    """The tree's nodes at most `max_depth` below the root, in their order (a sync: which
+    nodes those are)."""
+    depth = np.array(tree.depth)
+    keep = np.flatnonzero(depth <= max_depth)
+    if len(keep) == len(depth):
+        return tree
+    place = np.zeros(len(depth), dtype=np.int32)
+    place[keep] = np.arange(len(keep), dtype=np.int32)
+    idx = mx.array(keep.astype(np.int32))
+    parents = mx.array(place[np.array(tree.parents)[keep]])
+    cut = lambda x: None if x is None else x[idx]  # noqa: E731
+    return replace(tree, tokens=tree.tokens[idx], parents=parents.astype(tree.parents.dtype),
+                   anc=tree.anc[idx][:, idx], depth=tree.depth[idx], scores=cut(tree.scores),
+                   q=cut(tree.q), levels=max_depth, draw=None)
+
+
 def _topk(x: mx.array, k: int):
     """The k largest entries of the last axis, largest first: (indices, values)."""
     idx = mx.argpartition(-x, kth=k - 1, axis=-1)[..., :k]

@@ -16,7 +16,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..mlxlm import ArraysCache, KVCache, create_causal_mask
+from ..mlxlm import ArraysCache, KVCache, QuantizedKVCache, create_causal_mask
 
 
 class TreeKVCache(KVCache):
@@ -69,6 +69,61 @@ class TreeKVCache(KVCache):
     def arrays(self):
         """The buffers to evaluate once a cycle has updated them."""
         return () if self.keys is None else (self.keys, self.values)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedTreeKVCache":
+        """This cache quantized (mlx-lm's switch at `quantized_kv_start`, which mlx-lm's
+        `generate_step` makes through this method too): every position packed as mlx-lm
+        packs it."""
+        q = QuantizedTreeKVCache(group_size=group_size, bits=bits)
+        q.offset = self.offset
+        if self.keys is not None:
+            q.keys = mx.quantize(self.keys, group_size=group_size, bits=bits)
+            q.values = mx.quantize(self.values, group_size=group_size, bits=bits)
+        return q
+
+
+class QuantizedTreeKVCache(QuantizedKVCache):
+    """mlx-lm's quantized KV cache (`kv_bits`: each position's keys and values packed in
+    groups of `group_size`, with a scale and a bias per group) plus what a tree needs:
+    `keep`, `truncate`, snapshots. mlx-lm's attention reads it as it reads its own (its
+    `bits` and `group_size` select the quantized attention), and so does the tree forward's."""
+
+    base = 0
+
+    def keep(self, start: int, rows) -> None:
+        """As `TreeKVCache.keep`: the accepted rows' packed values, scales and biases moved
+        to start.."""
+        if isinstance(rows, list):
+            if rows == list(range(start, start + len(rows))):
+                self.offset = start + len(rows)
+                return
+            rows = mx.array(rows)
+        n = rows.shape[0]
+        for parts in (self.keys, self.values):
+            for x in parts:
+                x[..., start : start + n, :] = mx.take(x, rows, axis=2)
+        self.offset = start + n
+
+    def reusable(self, length: int) -> bool:
+        return True
+
+    def snapshot(self) -> dict:
+        saved = dict(vars(self))
+        if self.keys is not None:
+            self.keys = tuple(mx.array(x) for x in self.keys)
+            self.values = tuple(mx.array(x) for x in self.values)
+        return saved
+
+    def restore(self, saved: dict) -> None:
+        self.__dict__.clear()
+        self.__dict__.update(saved)
+
+    def truncate(self, length: int) -> None:
+        if length < self.offset:
+            self.trim(self.offset - length)
+
+    def arrays(self):
+        return () if self.keys is None else (*self.keys, *self.values)
 
 
 class WindowKVCache(TreeKVCache):
@@ -145,6 +200,12 @@ class WindowKVCache(TreeKVCache):
         b = self.base
         super().keep(start - b, [r - b for r in rows] if isinstance(rows, list) else rows - b)
         self.offset += b
+
+    @property
+    def to_quantized(self):
+        """(None: a window stays in float under `kv_bits`, as mlx-lm's rotating caches
+        cannot be quantized; `hasattr` says so to mlx-lm's switch.)"""
+        raise AttributeError("a sliding window's cache is not quantized")
 
     def reusable(self, length: int) -> bool:
         # the next token at `length` must see positions length-window+1.. (all held)

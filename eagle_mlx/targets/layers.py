@@ -84,7 +84,11 @@ def attention(
         k, v = cache.update_and_fetch(k, v)
     if mask is None and T > 1:
         mask = "causal"
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
+    if hasattr(cache, "bits"):  # a quantized cache (`kv_bits`): mlx-lm's quantized attention
+        out = mlxlm.quantized_scaled_dot_product_attention(
+            q, k, v, scale=attn.scale, mask=mask, group_size=cache.group_size, bits=cache.bits)
+    else:
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
     return out.transpose(0, 2, 1, 3).reshape(B, T, -1)
 
 

@@ -17,7 +17,8 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import RaggedKVCache, TreeKVCache
+from .. import mlxlm
+from .cache import QuantizedTreeKVCache, RaggedKVCache, TreeKVCache
 from .families import FAMILIES, AttentionMechanism, Forward, LinearAttentionMechanism, \
     RopeContext, family_of, install_positions, untruncated_yarn
 
@@ -120,6 +121,31 @@ class Target:
                     a.conv_dim * self.dtype.size
         return total
 
+    @property
+    def kv_shared(self) -> bool:
+        """Whether some layers read another layer's keys and values (Gemma 4)."""
+        return any(getattr(m, "source", None) is not None for m in self.mechanisms)
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether attention layers add learned sinks (gpt-oss)."""
+        return any("sinks" in getattr(layer, "self_attn", {}) for layer in self.layers)
+
+    def kv_head_dims(self) -> set:
+        """The key/value head sizes of the full-attention layers that keep a cache (what
+        `kv_group_size` must divide), where the layers say (projection rows / kv heads)."""
+        dims = set()
+        for m, layer in zip(self.mechanisms, self.layers):
+            attn = getattr(layer, "self_attn", None)
+            if not isinstance(m, AttentionMechanism) or m.window is not None or attn is None:
+                continue
+            heads = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads",
+                                                                 None)
+            proj = getattr(attn, "k_proj", None)
+            if heads and proj is not None and "weight" in proj:
+                dims.add(int(proj.weight.shape[0]) // int(heads))
+        return dims
+
     def tree_node_limit(self) -> Optional[int]:
         """The most tree nodes whose recurrent states fit in TREE_STATE_FRACTION of this
         machine's memory (None: no bound, attention-only)."""
@@ -140,9 +166,20 @@ class Target:
     def snapshot(caches) -> Optional[list]:
         """What `restore` needs to forget the updates made to `caches` after this call (a
         forward built but not evaluated); None where a cache cannot (a recurrent state)."""
-        if not all(isinstance(c, TreeKVCache) for c in caches):
+        if not all(isinstance(c, (TreeKVCache, QuantizedTreeKVCache)) for c in caches):
             return None
         return [c.snapshot() for c in caches]
+
+    @staticmethod
+    def quantize(caches, kv) -> bool:
+        """mlx-lm's switch to quantized caches (`maybe_quantize_kv_cache`) for `kv` (a
+        `KVQuantization`; None: none): every full-attention cache, once it holds
+        `kv.start` positions, packed in place in the list (sliding windows and recurrent
+        states stay as they are, as in mlx-lm). Whether every cache that can be is now."""
+        if kv is None:
+            return True
+        mlxlm.maybe_quantize_kv_cache(caches, kv.start, kv.group_size, kv.bits)
+        return not any(hasattr(c, "to_quantized") for c in caches)
 
     @staticmethod
     def restore(caches, saved: list) -> None:

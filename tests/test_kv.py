@@ -1,0 +1,223 @@
+"""Quantized KV caches (`kv_bits`, `kv_group_size`, `quantized_kv_start`, as mlx-lm's
+generate_step takes them) against mlx-lm's own generate_step with the same settings; trees
+keep their accepted rows in a quantized cache; sampling stays exact."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tiny import make_eagle_head, make_hf_model, tool
+
+import eagle_mlx
+from eagle_mlx import EagleError, GenerationSettings, PromptCache
+from eagle_mlx.decoding.engine import Engine, SamplingParams
+from eagle_mlx.decoding.settings import KVQuantization
+
+PROMPT = [5, 9, 13, 7, 22, 31, 40, 12, 33, 8, 19, 50]
+SETTINGS = [dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0),
+            dict(kv_bits=4, kv_group_size=32, quantized_kv_start=5),
+            dict(kv_bits=3, kv_group_size=32, quantized_kv_start=16)]  # (switches mid-run)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """A tiny Llama (EAGLE-1 head) and a tiny Qwen3 (EAGLE-3 head), key/value heads of 32."""
+    root = tmp_path_factory.mktemp("kv")
+    llama = make_hf_model(root / "llama", "llama", seed=5, vocab_size=64, head_dim=32,
+                          num_key_value_heads=2, scale=4.0)
+    qwen3 = make_hf_model(root / "qwen3", "qwen3", seed=6, vocab_size=64, num_hidden_layers=7,
+                          num_key_value_heads=2, scale=4.0)
+    return {"llama": (llama, make_eagle_head(root / "h1", llama, "eagle1", seed=1)),
+            "qwen3": (qwen3, make_eagle_head(root / "h3", qwen3, "eagle3", seed=2))}
+
+
+def mlx_lm_greedy(folder, prompt, n, **kv):
+    """mlx-lm's own greedy tokens with these KV settings (its generate_step)."""
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    model, _ = mlx_lm.load(str(folder))
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n,
+                                             sampler=lambda x: mx.argmax(x, axis=-1), **kv)]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_plain_eagle_and_lookup_equal_mlx_lm_with_a_quantized_cache(pairs, name):
+    """Plain decoding with kv_bits 8, 4 and 3 (the switch before the prompt's end, and in the
+    middle of the generation: switched a position early or late, the 3-bit run's tokens
+    differ) gives mlx-lm's generate_step's tokens with the same settings; greedy EAGLE trees
+    and chains merged with lookup, auto, and lookup alone give the same; the caches
+    end quantized."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    target, head = pairs[name]
+    model, tok = eagle_mlx.load(str(target), eagle=str(head), lookup=True)
+    alone, _ = eagle_mlx.load(str(target), lookup=True)
+    tok.eos_token_ids = set()
+    for kv in SETTINGS:
+        expected = mlx_lm_greedy(target, PROMPT, 32, **kv)
+        cache = PromptCache()
+        plain = [t for r in eagle_mlx.stream_generate(model, tok, PROMPT, max_tokens=32,
+                                                      speculate=False, prompt_cache=cache, **kv)
+                 for t in r.tokens]
+        assert plain == expected, kv
+        assert all(isinstance(c, QuantizedKVCache) and c.bits == kv["kv_bits"]
+                   for c in cache.target)
+        for tree in (dict(total_tokens=10, depth=3, draft_top_k=3),
+                     dict(total_tokens=5, depth=3, draft_top_k=1), {}):
+            cache = PromptCache()
+            out = [t for r in eagle_mlx.stream_generate(model, tok, PROMPT, max_tokens=32,
+                                                        prompt_cache=cache, **tree, **kv)
+                   for t in r.tokens]
+            assert out == expected, (kv, tree)
+            assert all(isinstance(c, QuantizedKVCache) for c in cache.target)
+        looked_up = [t for r in eagle_mlx.stream_generate(alone, tok, PROMPT, max_tokens=32,
+                                                          speculate=True, **kv)
+                     for t in r.tokens]
+        assert looked_up == expected, kv
+
+
+def test_a_kept_tree_path_is_what_feeding_it_alone_writes(pairs):
+    """After a verify pass over a tree, keeping a path leaves in the quantized cache
+    exactly the rows the pass wrote for those nodes (packed values, scales, biases), and
+    they are what feeding the path alone writes (dequantized, within rounding)."""
+    from eagle_mlx.decoding.tree import tree_from_parents
+
+    target_dir, head = pairs["llama"]
+    model, _ = eagle_mlx.load(str(target_dir))
+    target = model.target
+    kv = KVQuantization(4, 32, 0)
+    caches = target.make_cache()
+    target(mx.array([PROMPT]), caches)
+    target.quantize(caches, kv)
+    n = len(PROMPT)
+    # root 3 with children 4, 5; 6 under 4; 7 under 6; 8 under 5
+    tree = tree_from_parents(mx.array([3, 4, 5, 6, 7, 8]), mx.array([0, 0, 0, 1, 3, 2]),
+                             mx.zeros((6,)), 4)
+    target(tree.tokens[None], caches, positions=n + tree.depth,
+           mask=mx.concatenate([mx.ones((6, n), dtype=mx.bool_), tree.anc], axis=1))
+    path = [0, 1, 3, 4]
+    written = [[np.array(x[..., n + i, :]) for i in path] for c in caches for x in c.keys]
+    target.accept(caches, n, [n + i for i in path])
+    kept = [[np.array(x[..., n + j, :]) for j in range(len(path))] for c in caches
+            for x in c.keys]
+    for w, k in zip(written, kept):
+        for a, b in zip(w, k):
+            np.testing.assert_array_equal(a, b)
+    alone = target.make_cache()
+    target(mx.array([PROMPT]), alone)
+    target.quantize(alone, kv)
+    for t in (3, 4, 6, 7):
+        target(mx.array([[t]]), alone)
+    for c, a in zip(caches, alone):
+        assert c.offset == a.offset == n + 4
+        for x, y in ((c.keys, a.keys), (c.values, a.values)):
+            ours = mx.dequantize(*[p[..., n: n + 4, :] for p in x], group_size=32, bits=4)
+            ref = mx.dequantize(*[p[..., n: n + 4, :] for p in y], group_size=32, bits=4)
+            step = float(mx.max(mx.abs(y[1][..., n: n + 4, :])))  # (one level)
+            np.testing.assert_allclose(np.array(ours), np.array(ref), atol=2 * step)
+
+
+@pytest.mark.long
+def test_sampling_with_a_quantized_cache_is_lossless(tmp_path):
+    """The first three tokens sampled (temperature 0.7, top-k 5, top-p 0.9) through EAGLE
+    trees with 4-bit caches have the distribution mlx-lm's model gives with the same
+    quantized caches, enumerated exactly."""
+    import mlx_lm
+    from mlx_lm.generate import maybe_quantize_kv_cache
+    from mlx_lm.models.cache import make_prompt_cache
+    from scipy.stats import chi2
+
+    from eagle_mlx.decoding.accept import process_logits
+    from eagle_mlx.decoding.steps import eagle_steps
+
+    target_dir = make_hf_model(tmp_path / "t", "llama", seed=3, vocab_size=8, hidden_size=64,
+                               head_dim=32, num_key_value_heads=2, num_hidden_layers=2,
+                               scale=1.0)
+    head_dir = make_eagle_head(tmp_path / "h", target_dir, "eagle1", seed=4)
+    prompt, runs, temp, top_p, top_k = [1, 4, 6, 2], 300, 0.7, 0.9, 5
+    kv = KVQuantization(4, 32, 0)
+    model, _ = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
+    counts = {}
+    for seed in range(runs):
+        mx.random.seed(seed)
+        out = []
+        for step in eagle_steps(model.target, model.head, prompt,
+                                SamplingParams(temp, top_p, top_k), 10, 3, 3, kv=kv):
+            out += step.tokens
+            if len(out) >= 3:
+                break
+        counts[tuple(out[:3])] = counts.get(tuple(out[:3]), 0) + 1
+    reference, _ = mlx_lm.load(str(target_dir))
+
+    def logp(logits):
+        return np.array(process_logits(logits, temp, top_p, top_k))
+
+    dist = {}
+    for t1, t2 in itertools.product(range(8), repeat=2):
+        cache = make_prompt_cache(reference)
+        reference(mx.array([prompt[:-1]]), cache=cache)
+        rows = []
+        for t in (prompt[-1], t1, t2):
+            maybe_quantize_kv_cache(cache, 0, 32, 4)
+            rows.append(reference(mx.array([[t]]), cache=cache)[0, -1])
+        lp = logp(mx.stack(rows))
+        for t3 in range(8):
+            dist[(t1, t2, t3)] = float(np.exp(lp[0, t1] + lp[1, t2] + lp[2, t3]))
+    cells, other_obs, other_exp = [], 0, 0.0
+    for key, p in dist.items():
+        if p * runs >= 5:
+            cells.append((counts.get(key, 0), p * runs))
+        else:
+            other_obs, other_exp = other_obs + counts.get(key, 0), other_exp + p * runs
+    cells.append((other_obs, other_exp))
+    stat = sum((o - e) ** 2 / e for o, e in cells if e > 0)
+    assert chi2.sf(stat, len(cells) - 1) > 1e-3
+
+
+def test_bad_kv_settings_are_one_sentence(pairs, tmp_path):
+    from test_cli import one_sentence
+
+    target, head = pairs["llama"]
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    for bad, match in ((dict(kv_bits=7), "kv_bits must be one of 2, 3, 4, 5, 6, 8"),
+                       (dict(kv_bits=4, kv_group_size=48), "kv_group_size must be one of"),
+                       (dict(kv_bits=4, quantized_kv_start=-1), "quantized_kv_start must be"),
+                       (dict(kv_bits=4, kv_group_size=128), "group size of 128 .* does not "
+                                                              "divide the target's key/value "
+                                                              "head size 32")):
+        with pytest.raises(EagleError, match=match):
+            eagle_mlx.generate(model, tok, PROMPT, max_tokens=4, **bad)
+    with pytest.raises(EagleError, match="a batch keeps float caches"):
+        eagle_mlx.batch_generate(model, tok, [PROMPT, PROMPT[:4]], settings=[
+            GenerationSettings(max_tokens=4, kv_bits=4, kv_group_size=32)] * 2)
+    one_sentence(tool("generate", "--model", target, "--prompt", "t5", "--kv-bits", "9"), 2,
+                 "--kv-bits must be one of")
+    one_sentence(tool("generate", "--model", target, "--prompt", "t5", "--kv-group-size", "32"),
+                 2, "--kv-group-size applies to a quantized KV cache; give --kv-bits too.")
+    one_sentence(tool("server", "--model", target, "--kv-bits", "4", "--max-batch", "2"), 2,
+                 "--kv-bits quantizes one sequence's caches")
+
+
+@pytest.mark.parametrize("name,match", [("gemma4_swa", "KV-shared layers"),
+                                        ("gpt_oss_swa", "attention sinks")])
+def test_targets_mlx_lm_cannot_quantize_refuse_kv_bits(tiny_dir, name, match):
+    model, tok = eagle_mlx.load(str(tiny_dir(name)))
+    with pytest.raises(EagleError, match=match):
+        eagle_mlx.generate(model, tok, [5, 6, 7], max_tokens=2, kv_bits=8, kv_group_size=32)
+
+
+def test_the_engine_cuts_trees_at_the_switch(pairs):
+    """A tree that would reach past quantized_kv_start before the switch is cut back to the
+    positions before it (no node is computed with float caches past the switch)."""
+    target, head = pairs["llama"]
+    model, _ = eagle_mlx.load(str(target), eagle=str(head))
+    drafter = eagle_mlx.decoding.drafters.head_drafter(model.head, model.target, 10, 3, 3)
+    engine = Engine(model.target, drafter, SamplingParams(), 512,
+                    kv=KVQuantization(4, 32, len(PROMPT) + 2))
+    state = engine.new_state()
+    engine.prefill(state, PROMPT)
+    tree = engine.draft(state)
+    assert int(tree.depth.max()) == 1  # (positions n, n + 1 only)
