@@ -221,3 +221,40 @@ def test_the_engine_cuts_trees_at_the_switch(pairs):
     engine.prefill(state, PROMPT)
     tree = engine.draft(state)
     assert int(tree.depth.max()) == 1  # (positions n, n + 1 only)
+
+
+@pytest.mark.parametrize("kind", ["gemma3_text", "qwen3_5"])
+def test_windows_and_recurrent_states_stay_float_and_trees_decode_exactly(tmp_path, kind):
+    """On a target with sliding windows (Gemma 3) and a Gated DeltaNet hybrid (Qwen3.5),
+    the full-attention caches are quantized and the windows and recurrent states stay as
+    they are (where mlx-lm's own rotating cache cannot be quantized at all); greedy trees and
+    chains decode plain decoding's tokens under the same settings."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from conftest import PATTERN3
+    from eagle_mlx.targets.cache import RecurrentCache, WindowKVCache
+
+    overrides = dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=32)
+    if kind == "gemma3_text":
+        overrides.update(num_hidden_layers=6, sliding_window=8, layer_types=PATTERN3,
+                         query_pre_attn_scalar=32)
+    target = make_hf_model(tmp_path / "t", kind, seed=3, vocab_size=64, scale=4.0, **overrides)
+    head = make_eagle_head(tmp_path / "h", target, "eagle1", seed=1)
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    tok.eos_token_ids = set()
+    kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=5)
+    cache = PromptCache()
+    plain = [t for r in eagle_mlx.stream_generate(model, tok, PROMPT, max_tokens=24,
+                                                  speculate=False, prompt_cache=cache, **kv)
+             for t in r.tokens]
+    kinds = {type(c) for c in cache.target}
+    float_kind = WindowKVCache if kind == "gemma3_text" else RecurrentCache
+    assert float_kind in kinds and any(issubclass(k, QuantizedKVCache) for k in kinds), kinds
+    for tree in (dict(total_tokens=10, depth=3, draft_top_k=3),
+                 dict(total_tokens=5, depth=3, draft_top_k=1)):
+        cache = PromptCache()
+        out = [t for r in eagle_mlx.stream_generate(model, tok, PROMPT, max_tokens=24,
+                                                    prompt_cache=cache, **tree, **kv)
+               for t in r.tokens]
+        assert out == plain, tree
+        assert {type(c) for c in cache.target} == kinds
