@@ -22,6 +22,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads stdin)")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="tokenize the prompt as is, without the chat template")
+    p.add_argument("--prompt-cache-file", default=None,
+                   help="continue from the caches a file holds (written by "
+                        "`python -m eagle_mlx.cache_prompt`, or by mlx_lm.cache_prompt: then "
+                        "plain decoding); the prompt goes on after what it holds")
     add_sampling_args(p)
     p.add_argument("--verbose", action="store_true",
                    help="also print the tree settings (with --speculate auto: the measured "
@@ -42,7 +46,18 @@ def _main(argv) -> int:
 
     messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
     messages.append({"role": "user", "content": prompt})
-    ids = chat_prompt(tokenizer, messages, use_template=not args.ignore_chat_template)
+    cache = None
+    if args.prompt_cache_file is not None:
+        from .cache_file import load as load_cache
+
+        cache = load_cache(args.prompt_cache_file, model, settings.kv)
+        ids = cache.tokens + continuation(tokenizer, messages, not args.ignore_chat_template)
+        if cache.opaque and settings.speculate is not False:
+            print(f"note: {args.prompt_cache_file} was written by mlx-lm (no record of its "
+                  "tokens or the target's features): plain decoding.", file=sys.stderr)
+            settings = settings.replace(speculate=False)
+    else:
+        ids = chat_prompt(tokenizer, messages, use_template=not args.ignore_chat_template)
     context = model.target.max_context
     if len(ids) > context:
         raise UsageError(f"--prompt is {len(ids)} tokens long, more than the model's context of "
@@ -55,7 +70,7 @@ def _main(argv) -> int:
     print("==========")
     last = None
     try:
-        for r in stream_generate(model, tokenizer, ids, settings=settings):
+        for r in stream_generate(model, tokenizer, ids, settings=settings, prompt_cache=cache):
             print(r.text, end="", flush=True)
             if args.verbose and r.accept_length is not None:
                 what = f"{r.choice}: " if r.choice else ""
@@ -69,6 +84,21 @@ def _main(argv) -> int:
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     return 0
+
+
+def continuation(tokenizer, messages, use_template: bool):
+    """The tokens of a prompt that goes on after a cached one (mlx-lm's reading of
+    `--prompt-cache-file`): with the chat template, the rendered conversation from where the
+    last message's text starts (the cache holds what comes before it, the message left
+    open); else the text alone."""
+    from .decoding.plan import encode_prompt
+
+    if not (use_template and getattr(tokenizer, "chat_template", None)):
+        return encode_prompt(tokenizer, messages[-1]["content"])
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    marked = [*messages[:-1], {**messages[-1], "content": "<query>"}]
+    probe = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text[probe.index("<query>"):], add_special_tokens=False))
 
 
 def main(argv=None) -> int:

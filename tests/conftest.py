@@ -104,8 +104,9 @@ def tiny_dir(tmp_path_factory):
 # the next file, already handed to the same worker).
 LONGEST_FIRST = ["test_engine.py", "test_demo.py", "test_lookup.py", "test_cli.py",
                  "test_distributed.py", "test_block.py", "test_mtp.py", "test_windows.py",
-                 "test_hybrid.py", "test_batch.py", "test_adaptive.py", "test_kv.py", "test_train.py",
-                 "test_server.py", "test_bad_inputs.py", "test_gemma4_assistant.py",
+                 "test_hybrid.py", "test_batch.py", "test_adaptive.py", "test_kv.py",
+                 "test_prompt_files.py", "test_train.py", "test_server.py",
+                 "test_bad_inputs.py", "test_gemma4_assistant.py",
                  "test_train_eagle3.py", "test_layouts.py", "test_bench_device.py",
                  "test_server_batch.py", "test_server_load.py", "test_heads.py",
                  "test_target.py", "test_gguf.py"]

@@ -43,6 +43,11 @@ class PromptCache:
         self.length = 0        # positions the target caches hold
         self.valid = False     # False while a cycle is under way (or was interrupted)
         self.reused = 0        # prompt tokens the last call found in the caches
+        # read from a file (`cache_file.load`): the target's features of every position and
+        # the taps they were read with (the first drafter reading those takes them), and how
+        # many leading positions hold tokens it does not know (a file mlx-lm wrote)
+        self.saved = None
+        self.opaque = 0
 
     def shared_prefix(self, prompt: Sequence[int]) -> int:
         """Tokens at the start of `prompt` this cache holds (at most all but its last)."""
@@ -55,6 +60,11 @@ class PromptCache:
         """Make the caches hold a prefix of `prompt` (at most all but its last token) and
         return its length; 0 when nothing can be reused (then the caches are fresh)."""
         owner = (target, None if drafter is None else drafter.owner)
+        if self.valid and self.owner is not None and self.owner[0] is target and \
+                self.owner[1] is None and drafter is not None and self.draft is None and \
+                self._adopts(drafter):
+            self.owner, self.drafter, self.draft = owner, drafter, drafter.new_state()
+            self.features = None if drafter.features is None else self.saved[0]
         if not self.valid or self.owner is None or not _same(self.owner, owner):
             self.reset()
             self.owner, self.drafter = owner, drafter
@@ -88,6 +98,16 @@ class PromptCache:
         self.tokens, self.length = self.tokens[:common], common
         self.valid, self.reused = False, common
         return common
+
+    def _adopts(self, drafter) -> bool:
+        """Whether a drafter can start on caches read from a file: one that reads nothing, or
+        the features the file holds (of every position, from the first)."""
+        if self.opaque:
+            return False
+        if drafter.features is None:
+            return True
+        return self.saved is not None and self.length == self.saved[0].shape[0] and \
+            tuple(drafter.features) == (self.saved[1] or ())
 
     def state(self) -> State:
         """The engine state over these caches (after `reuse`)."""

@@ -1,0 +1,149 @@
+"""Prompt caches saved to a file (mlx-lm's format, `python -m eagle_mlx.cache_prompt`) and
+continued from it (`generate --prompt-cache-file`): in another process exactly as in
+memory; mlx-lm's own files load for plain decoding; bad files are one sentence."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import PATTERN3
+from tiny import ROOT, make_eagle_head, make_hf_model, tool
+
+import eagle_mlx
+from eagle_mlx import EagleError, PromptCache, cache_file
+
+PREFIX = [5, 9, 13, 7, 22, 31, 40, 12, 33, 8, 19, 50]
+SUFFIX = [17, 18, 19]
+
+
+def fresh_tokens(model, tok, ids, n=20, **kw):
+    return [t for r in eagle_mlx.stream_generate(model, tok, ids, max_tokens=n, **kw)
+            for t in r.tokens]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pc")
+    target = make_hf_model(root / "t", "llama", seed=5, vocab_size=64, head_dim=32,
+                           num_hidden_layers=7, num_key_value_heads=2, scale=4.0)
+    return target, make_eagle_head(root / "h", target, "eagle3", seed=1)
+
+
+def test_a_saved_cache_continues_in_another_process_as_in_memory(pair, tmp_path):
+    """cache_prompt writes the caches of a prompt; generate --prompt-cache-file, in another
+    process, continues it (the question inside the open user message) and prints what a
+    run over the whole conversation prints — speculative with the EAGLE-3 head, its
+    features taken from the file."""
+    from eagle_mlx.cache_prompt import prompt_ids
+    from eagle_mlx.generate import continuation
+
+    target, head = pair
+    path = tmp_path / "doc.safetensors"
+    proc = tool("cache_prompt", "--model", target, "--eagle", head, "--prompt", "t5 t9 t13 t7 t22",
+                "--prompt-cache-file", path)
+    assert proc.returncode == 0, proc.stderr
+    assert path.is_file() and not list(tmp_path.glob("*.partial*"))
+    run = subprocess.run([sys.executable, "-m", "eagle_mlx.generate", "--model", str(target),
+                          "--eagle", str(head), "--prompt-cache-file", str(path), "--prompt",
+                          "t40 t41", "--max-tokens", "16", "--speculate", "always"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    messages = [{"role": "user", "content": "t40 t41"}]
+    ids = prompt_ids(tok, "t5 t9 t13 t7 t22", True) + continuation(tok, messages, True)
+    expected = eagle_mlx.generate(model, tok, ids, max_tokens=16, speculate=False)
+    assert run.stdout.split("==========\n")[1] == expected + "\n"
+    assert f"Prompt: {len(ids)} tokens" in run.stdout
+
+
+@pytest.mark.parametrize("kind", ["llama-4bit", "gemma3_text", "qwen3_5"])
+def test_files_round_trip_every_cache_kind(pair, tmp_path, kind):
+    """Full, quantized, sliding-window and recurrent caches written and read back continue
+    exactly as a fresh run over the whole prompt, plain and speculative (the head's state
+    rebuilt from the features in the file); a file for other KV settings is refused."""
+    kv = {}
+    if kind == "llama-4bit":
+        target, head = pair
+        kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+    else:
+        overrides = dict(num_hidden_layers=4, num_key_value_heads=2)
+        if kind == "gemma3_text":
+            overrides.update(num_hidden_layers=6, sliding_window=8, layer_types=PATTERN3)
+        target = make_hf_model(tmp_path / "t", kind, seed=3, vocab_size=64, scale=4.0,
+                               **overrides)
+        head = make_eagle_head(tmp_path / "h", target, "eagle1", seed=1)
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    tok.eos_token_ids = set()
+    path = tmp_path / "c.safetensors"
+    cache_file.prefill_and_save(path, model, PREFIX, eagle_mlx.GenerationSettings(**kv).kv)
+    fresh = fresh_tokens(model, tok, PREFIX + SUFFIX, speculate=False, **kv)
+    for speculate in (False, True):
+        pc = cache_file.load(path, model, eagle_mlx.GenerationSettings(**kv).kv)
+        out = fresh_tokens(model, tok, PREFIX + SUFFIX, speculate=speculate, prompt_cache=pc,
+                           **kv)
+        assert out == fresh and pc.reused == len(PREFIX), (kind, speculate)
+    if kv:
+        with pytest.raises(EagleError, match="quantized to 4 bits in groups of 32; the "
+                                              "generation asks for 8 bits"):
+            cache_file.load(path, model, eagle_mlx.GenerationSettings(kv_bits=8,
+                                                                      kv_group_size=32).kv)
+
+
+def test_mlx_lms_own_file_continues_with_plain_decoding(pair, tmp_path):
+    """A file mlx_lm's save_prompt_cache wrote (after its generate_step prefilled the prompt)
+    loads: its tokens unknown, it continues with plain decoding as a fresh run does; the
+    tool says so in one line."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    target, head = pair
+    reference, _ = mlx_lm.load(str(target))
+    caches = make_prompt_cache(reference)
+    for _ in generate_step(mx.array(PREFIX), reference, max_tokens=0, prompt_cache=caches):
+        pass
+    path = tmp_path / "mlx.safetensors"
+    save_prompt_cache(str(path), caches, {"model": str(target), "tokenizer_config": "{}"})
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    tok.eos_token_ids = set()
+    pc = cache_file.load(path, model)
+    assert pc.opaque == len(PREFIX)
+    out = fresh_tokens(model, tok, pc.tokens + SUFFIX, speculate=False, prompt_cache=pc)
+    assert out == fresh_tokens(model, tok, PREFIX + SUFFIX, speculate=False)
+    proc = tool("generate", "--model", target, "--eagle", head, "--prompt-cache-file", path,
+                "--prompt", "t40", "--max-tokens", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "was written by mlx-lm" in proc.stderr and "plain decoding" in proc.stderr
+
+
+def test_bad_cache_files_are_one_sentence(pair, tmp_path):
+    from test_cli import one_sentence
+
+    target, head = pair
+    missing = tmp_path / "none.safetensors"
+    one_sentence(tool("generate", "--model", target, "--prompt-cache-file", missing,
+                      "--prompt", "t5"), 1, "does not exist")
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(b"\x10\x00\x00\x00not a safetensors file")
+    one_sentence(tool("generate", "--model", target, "--prompt-cache-file", damaged,
+                      "--prompt", "t5"), 1, "is not a prompt cache file")
+    model, _ = eagle_mlx.load(str(target))
+    good = tmp_path / "good.safetensors"
+    cache_file.prefill_and_save(good, model, PREFIX)
+    other = make_hf_model(tmp_path / "other", "llama", seed=2, vocab_size=64, head_dim=32,
+                          num_hidden_layers=3, num_key_value_heads=2)
+    one_sentence(tool("generate", "--model", other, "--prompt-cache-file", good,
+                      "--prompt", "t5"), 1, "was made for another model")
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(EagleError, match="is not a prompt cache file"):
+        cache_file.load(truncated, model)
+    out = tmp_path / "new.safetensors"
+    one_sentence(tool("cache_prompt", "--model", target, "--prompt", "t5",
+                      "--prompt-cache-file", out, "--kv-bits", "7"), 2, "--kv-bits")
+    assert not out.exists()
+    with pytest.raises(EagleError, match="does not exist"):
+        cache_file.load(missing, model)
+    assert isinstance(cache_file.load(good, model), PromptCache)
