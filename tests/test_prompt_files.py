@@ -93,11 +93,12 @@ def test_files_round_trip_every_cache_kind(pair, tmp_path, kind):
 def test_mlx_lms_own_file_continues_with_plain_decoding(pair, tmp_path):
     """A file mlx_lm's save_prompt_cache wrote (after its generate_step prefilled the prompt)
     loads: its tokens unknown, it continues with plain decoding as a fresh run does; the
-    tool says so in one line."""
+    tool says so in one line. mlx-lm's load_prompt_cache reads eagle_mlx's files too, and its
+    generate_step continues from one as a fresh run does."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
     target, head = pair
     reference, _ = mlx_lm.load(str(target))
@@ -116,6 +117,13 @@ def test_mlx_lms_own_file_continues_with_plain_decoding(pair, tmp_path):
                 "--prompt", "t40", "--max-tokens", "4")
     assert proc.returncode == 0, proc.stderr
     assert "was written by mlx-lm" in proc.stderr and "plain decoding" in proc.stderr
+    # and the other way: mlx-lm reads eagle_mlx's file and continues as a fresh run
+    ours = tmp_path / "ours.safetensors"
+    cache_file.prefill_and_save(ours, model, PREFIX)
+    loaded = load_prompt_cache(str(ours))
+    steps = generate_step(mx.array(SUFFIX), reference, max_tokens=12, prompt_cache=loaded,
+                          sampler=lambda x: mx.argmax(x, axis=-1))
+    assert [int(t) for t, _ in steps] == out[:12]
 
 
 def test_bad_cache_files_are_one_sentence(pair, tmp_path):
