@@ -19,6 +19,10 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m eagle_mlx.chat",
                                 description="Chat with a model in the terminal, using EAGLE.")
     add_model_args(p)
+    p.add_argument("--prompt-cache-file", default=None,
+                   help="start from the caches a file holds (python -m eagle_mlx.cache_prompt, "
+                        "or mlx_lm.cache_prompt: then plain decoding): the conversation goes on "
+                        "inside its open user message")
     add_sampling_args(p)
     p.set_defaults(max_tokens=512)
     return p
@@ -33,10 +37,25 @@ class Chat:
         self.turns = []  # user/assistant messages, oldest first
         self.last = None
         self.session = {"replies": 0, "tokens": 0, "forwards": 0}
+        self.prefix = None  # the tokens a prompt cache file holds (the conversation follows)
+        self.cache = self.fresh_cache()
+        self.warned = False  # the acceptance warning is given once
+
+    def fresh_cache(self):
+        """An empty PromptCache, or the one the prompt cache file holds."""
         from .decoding.steps import PromptCache
 
-        self.cache = PromptCache()
-        self.warned = False  # the acceptance warning is given once
+        path = getattr(self.args, "prompt_cache_file", None)
+        if path is None:
+            return PromptCache()
+        from .cache_file import load
+        from .generate import plain_for_mlx_lm_files
+
+        cache = load(path, self.model, self.settings.kv)
+        if self.prefix is None:
+            self.settings = plain_for_mlx_lm_files(cache, self.settings, path)
+        self.prefix = list(cache.tokens)
+        return cache
 
     def prompt_ids(self, user: str):
         """The conversation plus the new message, oldest turns dropped to fit the context."""
@@ -45,7 +64,12 @@ class Chat:
         dropped = 0
         while True:
             messages = self.system + history + [{"role": "user", "content": user}]
-            ids = chat_prompt(self.tokenizer, messages)
+            if self.prefix is None:
+                ids = chat_prompt(self.tokenizer, messages)
+            else:  # (the file's prompt, then the conversation from its first user message on)
+                from .generate import continuation
+
+                ids = self.prefix + continuation(self.tokenizer, messages, True, len(self.system))
             if len(ids) + self.settings.max_tokens <= context or not history:
                 break
             history = history[2:]  # one user message and its reply
@@ -137,6 +161,7 @@ class Chat:
             if command == "/reset":
                 self.turns, self.last = [], None
                 self.cache.reset()
+                self.cache = self.fresh_cache()
                 print("[conversation reset]")
                 continue
             if command == "/stats":

@@ -52,10 +52,7 @@ def _main(argv) -> int:
 
         cache = load_cache(args.prompt_cache_file, model, settings.kv)
         ids = cache.tokens + continuation(tokenizer, messages, not args.ignore_chat_template)
-        if cache.opaque and settings.speculate is not False:
-            print(f"note: {args.prompt_cache_file} was written by mlx-lm (no record of its "
-                  "tokens or the target's features): plain decoding.", file=sys.stderr)
-            settings = settings.replace(speculate=False)
+        settings = plain_for_mlx_lm_files(cache, settings, args.prompt_cache_file)
     else:
         ids = chat_prompt(tokenizer, messages, use_template=not args.ignore_chat_template)
     context = model.target.max_context
@@ -86,19 +83,30 @@ def _main(argv) -> int:
     return 0
 
 
-def continuation(tokenizer, messages, use_template: bool):
-    """The tokens of a prompt that goes on after a cached one (mlx-lm's reading of
+def continuation(tokenizer, messages, use_template: bool, at: int = -1):
+    """The tokens of a conversation that goes on after a cached prompt (mlx-lm's reading of
     `--prompt-cache-file`): with the chat template, the rendered conversation from where the
-    last message's text starts (the cache holds what comes before it, the message left
-    open); else the text alone."""
+    text of message `at` starts (the cache holds what comes before it: that message left
+    open, `cache_prompt`'s document in it); else the messages' text from it on."""
     from .decoding.plan import encode_prompt
 
     if not (use_template and getattr(tokenizer, "chat_template", None)):
-        return encode_prompt(tokenizer, messages[-1]["content"])
+        return encode_prompt(tokenizer, "\n".join(m["content"] for m in messages[at:]))
+    at = at % len(messages)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    marked = [*messages[:-1], {**messages[-1], "content": "<query>"}]
+    marked = [*messages[:at], {**messages[at], "content": "<query>"}, *messages[at + 1:]]
     probe = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
     return list(tokenizer.encode(text[probe.index("<query>"):], add_special_tokens=False))
+
+
+def plain_for_mlx_lm_files(cache, settings, path):
+    """A cache file mlx-lm wrote holds no record of its tokens or of the target's features:
+    plain decoding from it (said in one line)."""
+    if cache.opaque and settings.speculate is not False:
+        print(f"note: {path} was written by mlx-lm (no record of its tokens or the target's "
+              "features): plain decoding.", file=sys.stderr)
+        return settings.replace(speculate=False)
+    return settings
 
 
 def main(argv=None) -> int:

@@ -155,3 +155,32 @@ def test_bad_cache_files_are_one_sentence(pair, tmp_path):
     with pytest.raises(EagleError, match="does not exist"):
         cache_file.load(missing, model)
     assert isinstance(cache_file.load(good, model), PromptCache)
+
+
+def test_chat_goes_on_inside_the_files_open_message(pair, tmp_path):
+    """chat --prompt-cache-file: each turn is the file's prompt and then the conversation
+    from its first user message on (that message's text going on after the cached one);
+    two turns and a /reset print what generating from those prompts prints."""
+    from eagle_mlx.cache_prompt import prompt_ids
+    from eagle_mlx.generate import continuation
+
+    target, head = pair
+    path = tmp_path / "doc.safetensors"
+    assert tool("cache_prompt", "--model", target, "--eagle", head, "--prompt", "t5 t9 t13",
+                "--prompt-cache-file", path).returncode == 0
+    proc = tool("chat", "--model", target, "--eagle", head, "--prompt-cache-file", path,
+                "--max-tokens", 8, stdin="t40\nt41\n/reset\nt42\n")
+    assert proc.returncode == 0, proc.stderr
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    prefix = prompt_ids(tok, "t5 t9 t13", True)
+
+    def reply(messages):
+        return eagle_mlx.generate(model, tok, prefix + continuation(tok, messages, True, 0),
+                                  max_tokens=8, speculate=False)
+
+    first = reply([{"role": "user", "content": "t40"}])
+    second = reply([{"role": "user", "content": "t40"}, {"role": "assistant", "content": first},
+                    {"role": "user", "content": "t41"}])
+    third = reply([{"role": "user", "content": "t42"}])
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("[")]
+    assert lines[:2] == [first, second] and lines[-1] == third
