@@ -21,7 +21,8 @@ import mlx.core as mx
 from . import mlxlm
 from .decoding.steps import PromptCache
 from .errors import EagleError
-from .targets.cache import QuantizedTreeKVCache, RecurrentCache, TreeKVCache, WindowKVCache
+from .targets.cache import BoundedKVCache, QuantizedTreeKVCache, RecurrentCache, TreeKVCache, \
+    WindowKVCache
 
 FORMAT = 1
 
@@ -34,6 +35,10 @@ def _identity(target) -> dict:
 
 def _to_mlx_lm(cache, window: Optional[int]):
     """One of our layer caches as mlx-lm's class of it, holding the same positions."""
+    if isinstance(cache, BoundedKVCache):
+        out = mlxlm.RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
+        out.state = cache.state
+        return out
     if isinstance(cache, QuantizedTreeKVCache):
         out = mlxlm.QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
         n = cache.offset
@@ -86,10 +91,11 @@ def save(path, prompt_cache: PromptCache, model, model_id: str = "",
             from None
 
 
-def load(path, model, kv=None) -> PromptCache:
-    """The PromptCache a file holds, for `model`'s target (kv: the KV quantization the
-    generation asks for, which a quantized file must match). One sentence for a file that
-    is missing, damaged, or made for another model or settings."""
+def load(path, model, kv=None, max_kv_size: Optional[int] = None) -> PromptCache:
+    """The PromptCache a file holds, for `model`'s target (kv, max_kv_size: the KV
+    quantization and bound the generation asks for, which a quantized or bounded file must
+    match). One sentence for a file that is missing, damaged, or made for another model or
+    settings."""
     path = Path(path)
     if not path.is_file():
         raise EagleError(f"prompt cache file {path} does not exist.")
@@ -136,9 +142,17 @@ def load(path, model, kv=None) -> PromptCache:
         raise EagleError(f"{path} holds a KV cache quantized to {quantized[0].bits} bits in "
                          f"groups of {quantized[0].group_size}; the generation asks for "
                          f"{kv.bits} bits in groups of {kv.group_size}.")
+    bounds = {c.max_size for c in caches if isinstance(c, BoundedKVCache)}
+    bound = bounds.pop() if bounds else None
+    if bound != max_kv_size:
+        raise EagleError(f"{path} holds caches bounded to {bound} positions; the generation "
+                         f"asks for {max_kv_size} (max_kv_size)." if bound is not None else
+                         f"{path} holds unbounded caches; the generation asks for "
+                         f"max_kv_size {max_kv_size}.")
     _check_shapes(target, caches, path)
     pc = PromptCache()
     pc.owner, pc.target, pc.length, pc.valid = (target, None), caches, length, True
+    pc.max_kv_size = bound
     if info is not None:
         tokens = [int(t) for t in info["tokens"]]
         if len(tokens) != length:
@@ -183,6 +197,11 @@ def _from_mlx_lm(entry, fresh, path, layer: int):
         c = RecurrentCache(fresh.conv_rows)
         c.state = list(entry.state)
         return c
+    if name == "RotatingKVCache":  # (a full layer's bounded cache: max_kv_size)
+        keys, values, offset, keep, max_size, idx = entry.state
+        c = BoundedKVCache(max_size, keep)
+        c.state = (keys, values, offset, keep, max_size, idx)
+        return c
     if name == "QuantizedKVCache":
         c = QuantizedTreeKVCache(group_size=entry.group_size, bits=entry.bits)
         c.keys, c.values = tuple(entry.keys), tuple(entry.values)  # (read back as lists)
@@ -215,10 +234,11 @@ def _check_shapes(target, caches, path) -> None:
                              "for another model).")
 
 
-def prefill_and_save(path, model, ids, kv=None, model_id: str = "") -> None:
-    """Prefill `ids` (as a generation's prefill runs, KV quantization included) and write the
-    caches to `path` with the target's features of every position: those the model's head
-    reads (its taps, or the post-norm hidden states); none without a head."""
+def prefill_and_save(path, model, ids, kv=None, model_id: str = "",
+                     max_kv_size: Optional[int] = None) -> None:
+    """Prefill `ids` (as a generation's prefill runs, KV quantization or a bound included)
+    and write the caches to `path` with the target's features of every position: those the
+    model's head reads (its taps, or the post-norm hidden states); none without a head."""
     from .decoding.drafters import Drafter
     from .decoding.engine import Engine, SamplingParams
 
@@ -235,8 +255,10 @@ def prefill_and_save(path, model, ids, kv=None, model_id: str = "") -> None:
         def offset(self, state) -> int:
             return 0
 
-    engine = Engine(model.target, Reader(), SamplingParams(), model.target.max_context, kv=kv)
+    engine = Engine(model.target, Reader(), SamplingParams(), model.target.max_context, kv=kv,
+                    split_prompt=max_kv_size is not None)
     state = engine.new_state()
+    state.caches = model.target.make_cache(max_kv_size)
     engine.prefill(state, ids)
     pc = PromptCache()
     pc.target, pc.tokens, pc.length = state.caches, list(ids), len(ids)

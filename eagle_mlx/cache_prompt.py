@@ -61,8 +61,12 @@ def _main(argv) -> int:
     from .cache_file import prefill_and_save
 
     start = time.perf_counter()
+    if settings.max_kv_size is not None and not model.target.bounds_kv:
+        raise UsageError(f"--max-kv-size bounds the caches of models whose layers all attend "
+                         f"to every position; {model.target.model_type} here keeps caches of "
+                         "its own.")
     prefill_and_save(args.prompt_cache_file, model, ids, settings.kv,
-                     model_id=args.model or "")
+                     model_id=args.model or "", max_kv_size=settings.max_kv_size)
     seconds = time.perf_counter() - start
     print(f"Prompt: {len(ids)} tokens, {len(ids) / max(seconds, 1e-9):.1f} tokens-per-sec; "
           f"saved to {args.prompt_cache_file}")

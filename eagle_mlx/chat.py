@@ -51,7 +51,7 @@ class Chat:
         from .cache_file import load
         from .generate import plain_for_mlx_lm_files
 
-        cache = load(path, self.model, self.settings.kv)
+        cache = load(path, self.model, self.settings.kv, self.settings.max_kv_size)
         if self.prefix is None:
             self.settings = plain_for_mlx_lm_files(cache, self.settings, path)
         self.prefix = list(cache.tokens)

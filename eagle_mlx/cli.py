@@ -169,18 +169,22 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantized-kv-start", type=int, default=None,
                    help="quantize the KV cache once it holds this many positions (default "
                         "5000)")
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="bound the KV cache to this many positions, as mlx-lm does (the 4 "
+                        "first kept, then a window of the latest; default: every position)")
 
 
 def kv_settings(args) -> dict:
     """The GenerationSettings fields the KV flags give; a group size or start without
     --kv-bits is a usage error."""
+    out = {} if args.max_kv_size is None else {"max_kv_size": args.max_kv_size}
     if args.kv_bits is None:
         for flag in ("kv_group_size", "quantized_kv_start"):
             if getattr(args, flag) is not None:
                 raise UsageError(f"{flag_name(flag)} applies to a quantized KV cache; give "
                                  "--kv-bits too.")
-        return {}
-    out = {"kv_bits": args.kv_bits}
+        return out
+    out["kv_bits"] = args.kv_bits
     if args.kv_group_size is not None:
         out["kv_group_size"] = args.kv_group_size
     if args.quantized_kv_start is not None:

@@ -50,7 +50,7 @@ def _main(argv) -> int:
     if args.prompt_cache_file is not None:
         from .cache_file import load as load_cache
 
-        cache = load_cache(args.prompt_cache_file, model, settings.kv)
+        cache = load_cache(args.prompt_cache_file, model, settings.kv, settings.max_kv_size)
         ids = cache.tokens + continuation(tokenizer, messages, not args.ignore_chat_template)
         settings = plain_for_mlx_lm_files(cache, settings, args.prompt_cache_file)
     else:

@@ -46,6 +46,7 @@ def stream_generate(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 5000,
+    max_kv_size: Optional[int] = None,
 ) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per target forward pass.
 
@@ -70,13 +71,16 @@ def stream_generate(
     kv_bits, kv_group_size, quantized_kv_start: quantized KV caches, as mlx-lm's
     generate_step takes them (every full-attention cache packed to kv_bits once it holds
     quantized_kv_start positions; sliding windows and recurrent states stay in float).
+    max_kv_size: bounded caches, as mlx-lm's (the 4 first positions kept, then a window of
+    the latest; for models whose layers all attend to every position).
     settings: a `GenerationSettings` holding all of the above at once (given, it is used
     instead of the keyword arguments).
     """
     if settings is None:
         settings = GenerationSettings(max_tokens, temp, top_p, top_k, min_p, seed, total_tokens,
                                       depth, draft_top_k, tree_choices, max_context, speculate,
-                                      logprobs, kv_bits, kv_group_size, quantized_kv_start)
+                                      logprobs, kv_bits, kv_group_size, quantized_kv_start,
+                                      max_kv_size)
     group = getattr(model, "group", None)
     if group is not None and isinstance(settings, GenerationSettings) and \
             settings.check().seed is None and settings.temp > 0:
@@ -85,11 +89,13 @@ def stream_generate(
     target, ids = model.target, run.ids
     if run.drafter is None:
         steps = plain_steps(target, ids, run.sampling, run.max_context, prompt_cache=prompt_cache,
-                            keys=run.keys, logprobs=run.logprobs, kv=run.kv)
+                            keys=run.keys, logprobs=run.logprobs, kv=run.kv,
+                            max_kv_size=run.max_kv_size)
     else:
         steps = speculative_steps(target, run.drafter, ids, run.sampling, run.max_context,
                                   prompt_cache=prompt_cache, keys=run.keys,
-                                  logprobs=run.logprobs, kv=run.kv)
+                                  logprobs=run.logprobs, kv=run.kv,
+                                  max_kv_size=run.max_kv_size)
     max_tokens = settings.max_tokens
     with mlxlm.wired_limit(target.model, [generation_stream]):
         try:

@@ -46,15 +46,17 @@ class EagleModel:
             self.measured = model_costs(self)
         return self.measured
 
-    def adaptive_drafter(self):
-        """The drafter of `speculate="auto"`: plain, lookup or the head, chosen every cycle."""
+    def adaptive_drafter(self, depth_limit=None):
+        """The drafter of `speculate="auto"`: plain, lookup or the head, chosen every cycle
+        (depth_limit: no option deeper than that many levels, the root's included)."""
         from .costs import head_options
         from .decoding.adaptive import AdaptiveDrafter
 
         prior = None if self.head is None else self.head.held_out_top1
         return AdaptiveDrafter(self.costs(), self.target, self.head, head_options(self),
                                self.auto_lookup, head_prior=prior,
-                               node_limit=self.target.tree_node_limit())
+                               node_limit=self.target.tree_node_limit(),
+                               depth_limit=depth_limit)
 
     @property
     def speculates(self) -> bool:

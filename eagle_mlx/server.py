@@ -777,6 +777,9 @@ def _main(argv) -> int:
     if args.kv_bits is not None and args.max_batch > 1:
         raise UsageError("--kv-bits quantizes one sequence's caches; a batch keeps float caches "
                          "(give --max-batch 1 with --kv-bits).")
+    if args.max_kv_size is not None and args.max_batch > 1:
+        raise UsageError("--max-kv-size bounds one sequence's caches; a batch keeps every "
+                         "position (give --max-batch 1 with --max-kv-size).")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty.")
     model, tokenizer = load_from_args(args)

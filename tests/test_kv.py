@@ -258,3 +258,72 @@ def test_windows_and_recurrent_states_stay_float_and_trees_decode_exactly(tmp_pa
                for t in r.tokens]
         assert out == plain, tree
         assert {type(c) for c in cache.target} == kinds
+
+
+def mlx_lm_bounded(folder, prompt, n, max_kv_size):
+    """mlx-lm's greedy tokens with its bounded cache (`RotatingKVCache`, the 4 first
+    positions kept): through generate_step's own max_kv_size where the model makes no caches
+    of its own (Qwen3), else given as the prompt cache (mlx-lm's Llama makes its own, so
+    generate_step would not bound it)."""
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import RotatingKVCache
+
+    model, _ = mlx_lm.load(str(folder))
+    kw = dict(max_kv_size=max_kv_size)
+    if hasattr(model, "make_cache"):
+        kw = dict(prompt_cache=[RotatingKVCache(max_size=max_kv_size, keep=4)
+                                for _ in model.layers])
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n,
+                                             sampler=lambda x: mx.argmax(x, axis=-1), **kw)]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_bounded_caches_decode_as_mlx_lms(pairs, name):
+    """max_kv_size as mlx-lm means it (the 4 first positions, then a window of the latest):
+    plain decoding equals mlx-lm's with its bounded cache — a prompt shorter than the bound
+    and one longer (mlx-lm's prefill of a chunk past the bound attends its own way) — and
+    greedy trees, chains, auto and lookup give the same, every node seeing what a one-token
+    step at its position would; the bound changes the tokens (against the unbounded run)."""
+    target, head = pairs[name]
+    model, tok = eagle_mlx.load(str(target), eagle=str(head), lookup=True)
+    alone, _ = eagle_mlx.load(str(target), lookup=True)
+    tok.eos_token_ids = set()
+    for prompt, bound in ((PROMPT, 16), (PROMPT * 3, 24)):
+        expected = mlx_lm_bounded(target, prompt, 32, bound)
+        assert expected != mlx_lm_greedy(target, prompt, 32)
+        kw = dict(max_tokens=32, max_kv_size=bound)
+        assert fresh(model, tok, prompt, speculate=False, **kw) == expected, bound
+        for tree in (dict(total_tokens=8, depth=3, draft_top_k=2),
+                     dict(total_tokens=4, depth=2, draft_top_k=1), {}):
+            assert fresh(model, tok, prompt, **tree, **kw) == expected, (bound, tree)
+        assert fresh(alone, tok, prompt, speculate=True, **kw) == expected, bound
+
+
+def fresh(model, tok, prompt, **kw):
+    return [t for r in eagle_mlx.stream_generate(model, tok, prompt, **kw) for t in r.tokens]
+
+
+def test_bad_bounds_are_one_sentence(pairs, tiny_dir):
+    from test_cli import one_sentence
+
+    target, head = pairs["llama"]
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    for bad, match in ((dict(max_kv_size=4), "max_kv_size must be a whole number of "
+                                             "positions, at least 8"),
+                       (dict(max_kv_size=64, kv_bits=4, kv_group_size=32), "do not go together"),
+                       (dict(max_kv_size=8, total_tokens=10, depth=6, draft_top_k=2),
+                        "leaves each position a window of 4 .* less than the draft tree's 8 "
+                        "levels; give at least 12")):
+        with pytest.raises(EagleError, match=match):
+            eagle_mlx.generate(model, tok, PROMPT, max_tokens=4, **bad)
+    with pytest.raises(EagleError, match="a batch keeps every position"):
+        eagle_mlx.batch_generate(model, tok, [PROMPT, PROMPT[:4]], settings=[
+            GenerationSettings(max_tokens=4, max_kv_size=64)] * 2)
+    windowed, wtok = eagle_mlx.load(str(tiny_dir("gemma3_swa")))
+    with pytest.raises(EagleError, match="gemma3_text here has sliding windows"):
+        eagle_mlx.generate(windowed, wtok, [5, 6, 7], max_tokens=2, max_kv_size=64)
+    one_sentence(tool("server", "--model", target, "--max-kv-size", "64", "--max-batch", "2"),
+                 2, "--max-kv-size bounds one sequence's caches")
+    one_sentence(tool("generate", "--model", target, "--prompt", "t5", "--max-kv-size", "2"),
+                 2, "--max-kv-size must be a whole number")

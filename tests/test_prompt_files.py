@@ -57,15 +57,18 @@ def test_a_saved_cache_continues_in_another_process_as_in_memory(pair, tmp_path)
     assert f"Prompt: {len(ids)} tokens" in run.stdout
 
 
-@pytest.mark.parametrize("kind", ["llama-4bit", "gemma3_text", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["llama-4bit", "llama-bounded", "gemma3_text", "qwen3_5"])
 def test_files_round_trip_every_cache_kind(pair, tmp_path, kind):
-    """Full, quantized, sliding-window and recurrent caches written and read back continue
-    exactly as a fresh run over the whole prompt, plain and speculative (the head's state
-    rebuilt from the features in the file); a file for other KV settings is refused."""
+    """Full, quantized, bounded, sliding-window and recurrent caches written and read back
+    continue exactly as a fresh run over the whole prompt, plain and speculative (the head's
+    state rebuilt from the features in the file); a file for other KV settings is refused."""
     kv = {}
     if kind == "llama-4bit":
         target, head = pair
         kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+    elif kind == "llama-bounded":
+        target, head = pair
+        kv = dict(max_kv_size=16)
     else:
         overrides = dict(num_hidden_layers=4, num_key_value_heads=2)
         if kind == "gemma3_text":
@@ -76,14 +79,20 @@ def test_files_round_trip_every_cache_kind(pair, tmp_path, kind):
     model, tok = eagle_mlx.load(str(target), eagle=str(head))
     tok.eos_token_ids = set()
     path = tmp_path / "c.safetensors"
-    cache_file.prefill_and_save(path, model, PREFIX, eagle_mlx.GenerationSettings(**kv).kv)
+    settings = eagle_mlx.GenerationSettings(**kv)
+    cache_file.prefill_and_save(path, model, PREFIX, settings.kv,
+                                max_kv_size=settings.max_kv_size)
     fresh = fresh_tokens(model, tok, PREFIX + SUFFIX, speculate=False, **kv)
     for speculate in (False, True):
-        pc = cache_file.load(path, model, eagle_mlx.GenerationSettings(**kv).kv)
+        pc = cache_file.load(path, model, settings.kv, settings.max_kv_size)
         out = fresh_tokens(model, tok, PREFIX + SUFFIX, speculate=speculate, prompt_cache=pc,
                            **kv)
         assert out == fresh and pc.reused == len(PREFIX), (kind, speculate)
-    if kv:
+    if settings.max_kv_size:
+        with pytest.raises(EagleError, match="bounded to 16 positions; the generation asks "
+                                              "for None"):
+            cache_file.load(path, model)
+    if settings.kv:
         with pytest.raises(EagleError, match="quantized to 4 bits in groups of 32; the "
                                               "generation asks for 8 bits"):
             cache_file.load(path, model, eagle_mlx.GenerationSettings(kv_bits=8,

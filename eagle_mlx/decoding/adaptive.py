@@ -409,13 +409,17 @@ class AdaptiveDrafter(Drafter):
 
     def __init__(self, costs: Costs, target=None, head=None,
                  head_options: Sequence[Option] = (), lookup: Optional[LookupSettings] = None,
-                 head_prior: Optional[float] = None, node_limit: Optional[int] = None):
+                 head_prior: Optional[float] = None, node_limit: Optional[int] = None,
+                 depth_limit: Optional[int] = None):
+        """node_limit: the most nodes a tree may have; depth_limit: the most levels, the
+        root's included (a bounded cache's window)."""
         self.costs, self.target, self.head = costs, target, head
         limit = node_limit or MAX_NODES
-        self.head_options = [o for o in head_options if o.nodes <= limit]
+        deepest = depth_limit or MAX_NODES
+        self.head_options = [o for o in head_options if o.nodes <= limit and o.depth < deepest]
         self.lookup_settings = lookup
         self.lookup = LookupDrafter(lookup) if lookup is not None else None
-        self.max_lookup = min(max(LOOKUP_CHAINS), limit - 1)
+        self.max_lookup = min(max(LOOKUP_CHAINS), limit - 1, deepest - 1)
         self.drafters = {o: head_drafter(head, target, o.nodes, o.depth - 1, o.top_k)
                          for o in self.head_options}
         self.features = head.feature_taps(target) if head is not None else None

@@ -218,6 +218,9 @@ class BatchGenerator:
         run = prepare(self.model, self.tokenizer, prompt, settings)
         check(run.kv is None, "kv_bits quantizes one sequence's caches; a batch keeps float "
                               "caches (generate with stream_generate for kv_bits).", "kv_bits")
+        check(run.max_kv_size is None, "max_kv_size bounds one sequence's caches; a batch "
+                                       "keeps every position (generate with stream_generate "
+                                       "for max_kv_size).", "max_kv_size")
         self._uid += 1
         seq = _Sequence(self._uid, run.ids, settings, prompt_cache=prompt_cache, record=record)
         seq.responses = responses(self.tokenizer, run.ids, self._pull(seq), settings.max_tokens,

@@ -97,7 +97,7 @@ class Verified:
 class Engine:
     def __init__(self, target, drafter, sampling: SamplingParams, max_context: int,
                  logprobs: Optional[int] = None, pipeline: bool = False,
-                 kv: Optional[KVQuantization] = None):
+                 kv: Optional[KVQuantization] = None, split_prompt: bool = False):
         """logprobs: report every token's log-probability with that many top alternatives
         (None: not). pipeline: a drafter that `drafts_ahead` drafts the next cycle (and
         verifies it, where it is a plain pass) before the caller gets this one's tokens —
@@ -110,6 +110,9 @@ class Engine:
         # `kv.start` positions; a position from `kv.start` on is computed only after the
         # switch (a tree that would reach past it before is cut back: `_before_switch`)
         self.kv = kv
+        # the prompt but its last token, then that token alone (mlx-lm's generate_step's
+        # order, which quantized and bounded caches make visible)
+        self.split_prompt = split_prompt or kv is not None
         self.root_logprobs = None  # the prefill's token's, where asked for
         self.taps = tuple(drafter.features or ())
         # recorder(position, hidden [n, H], tapped [n, H] per tap): the target's features of
@@ -146,7 +149,7 @@ class Engine:
         prompt_ids = mx.array(list(prompt))
         chunks = [] if state.feats is None else [state.feats]
         L = len(prompt)
-        if self.kv is None:
+        if not self.split_prompt:
             pieces = [(a, min(a + chunk, L)) for a in range(start, L, chunk)]
         else:  # (mlx-lm's order: the prompt but its last token, then that token alone)
             pieces = [(a, min(a + chunk, L - 1)) for a in range(start, L - 1, chunk)]

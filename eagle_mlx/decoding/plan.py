@@ -2,7 +2,7 @@
 (explicit settings over the benchmark's tuning over the defaults, bounded by a hybrid
 target's memory) and its drafter built."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -109,6 +109,7 @@ class Prepared:
     keys: KeyChain
     logprobs: Optional[int] = None
     kv: Optional[KVQuantization] = None  # quantized KV caches (None: float)
+    max_kv_size: Optional[int] = None       # bounded caches (None: every position kept)
 
 
 def prepare(model, tokenizer, prompt, settings: GenerationSettings,
@@ -129,7 +130,15 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
            "model must be the EagleModel that eagle_mlx.load returns.")
     if s.kv is not None:  # (before anything is measured)
         check_kv(model, s.kv)
+    if s.max_kv_size is not None:
+        target = model.target
+        check(target.bounds_kv,
+              f"max_kv_size bounds the caches of models whose layers all attend to every "
+              f"position (Llama, Mistral, Qwen); {target.model_type} here has sliding windows, "
+              "shared or recurrent layers, which keep caches of their own.", "max_kv_size")
     lookup = getattr(model, "lookup", None)  # prompt lookup: alone, or merged with the head
+    if lookup is not None and s.max_kv_size is not None:  # (its chains within the window)
+        lookup = replace(lookup, max_draft=min(lookup.max_draft, s.max_kv_size - 5))
     alone = lookup is not None and model.head is None
     explicit = any(x is not None for x in (total_tokens, depth, draft_top_k, tree_choices))
     # adaptive (where there is something to draft with): plain, lookup or the head, chosen
@@ -157,8 +166,8 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
            f"the prompt has {len(ids)} tokens but the model's context is {max_context} tokens.")
     check(max(ids) < target.vocab_size and min(ids) >= 0,
            f"the prompt holds token ids outside the model's vocabulary of {target.vocab_size}.")
-    if auto:
-        drafter = model.adaptive_drafter()
+    if auto:  # (within a bounded cache's window)
+        drafter = model.adaptive_drafter(None if s.max_kv_size is None else s.max_kv_size - 4)
     elif alone and s.speculate is not False:
         drafter = LookupDrafter(lookup, target.tree_node_limit())
     elif not speculate:
@@ -168,8 +177,14 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
                                tree_choices)
         if lookup is not None:
             drafter = MergedDrafter(drafter, LookupDrafter(lookup), total_tokens)
+    if s.max_kv_size is not None and drafter is not None:
+        window = s.max_kv_size - 4  # (mlx-lm's bounded cache keeps the 4 first positions)
+        check(drafter.max_depth + 1 <= window,
+              f"max_kv_size {s.max_kv_size} leaves each position a window of {window} (after "
+              f"the 4 first ones), less than the draft tree's {drafter.max_depth + 1} levels; "
+              f"give at least {drafter.max_depth + 5}.", "max_kv_size")
     return Prepared(ids, drafter, SamplingParams(temp, s.top_p, s.top_k, s.min_p), max_context,
-                    KeyChain.start(seed), s.logprobs, s.kv)
+                    KeyChain.start(seed), s.logprobs, s.kv, s.max_kv_size)
 
 
 def check_kv(model, kv: KVQuantization) -> None:

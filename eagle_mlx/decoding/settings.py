@@ -111,6 +111,7 @@ class GenerationSettings:
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
+    max_kv_size: Optional[int] = None
 
     @property
     def kv(self) -> Optional[KVQuantization]:
@@ -145,6 +146,13 @@ class GenerationSettings:
         check(is_int(self.quantized_kv_start) and self.quantized_kv_start >= 0,
               f"{name('quantized_kv_start')} must be a whole number of positions, 0 or more "
               f"(got {self.quantized_kv_start!r}).", "quantized_kv_start")
+        check(self.max_kv_size is None or (is_int(self.max_kv_size) and self.max_kv_size >= 8),
+              f"{name('max_kv_size')} must be a whole number of positions, at least 8 (the 4 "
+              f"first ones are always kept), or None (got {self.max_kv_size!r}).",
+              "max_kv_size")
+        check(self.max_kv_size is None or self.kv_bits is None,
+              f"{name('max_kv_size')} and {name('kv_bits')} do not go together: mlx-lm's "
+              "bounded cache cannot be quantized.", "max_kv_size")
         return self
 
     def replace(self, **changes) -> "GenerationSettings":

@@ -48,6 +48,7 @@ class PromptCache:
         # many leading positions hold tokens it does not know (a file mlx-lm wrote)
         self.saved = None
         self.opaque = 0
+        self.max_kv_size = None  # the bound its full-attention caches were made with
 
     def shared_prefix(self, prompt: Sequence[int]) -> int:
         """Tokens at the start of `prompt` this cache holds (at most all but its last)."""
@@ -56,10 +57,14 @@ class PromptCache:
             n += 1
         return n
 
-    def reuse(self, target, drafter, prompt: Sequence[int]) -> int:
+    def reuse(self, target, drafter, prompt: Sequence[int],
+              max_kv_size: Optional[int] = None) -> int:
         """Make the caches hold a prefix of `prompt` (at most all but its last token) and
-        return its length; 0 when nothing can be reused (then the caches are fresh)."""
+        return its length; 0 when nothing can be reused (then the caches are fresh, bounded
+        to `max_kv_size` positions where given)."""
         owner = (target, None if drafter is None else drafter.owner)
+        if self.valid and self.max_kv_size != max_kv_size:
+            self.valid = False  # (caches of another bound: start over)
         if self.valid and self.owner is not None and self.owner[0] is target and \
                 self.owner[1] is None and drafter is not None and self.draft is None and \
                 self._adopts(drafter):
@@ -67,8 +72,8 @@ class PromptCache:
             self.features = None if drafter.features is None else self.saved[0]
         if not self.valid or self.owner is None or not _same(self.owner, owner):
             self.reset()
-            self.owner, self.drafter = owner, drafter
-            self.target = target.make_cache()
+            self.owner, self.drafter, self.max_kv_size = owner, drafter, max_kv_size
+            self.target = target.make_cache(max_kv_size)
             self.draft = None if drafter is None else drafter.new_state()
             return 0
         agree, most = 0, min(len(self.tokens), len(prompt))
@@ -91,7 +96,7 @@ class PromptCache:
         if not target.reusable(self.target, common):
             # a sliding window has dropped positions the new tokens would see, or a
             # recurrent state cannot go back: start over
-            self.target = target.make_cache()
+            self.target = target.make_cache(max_kv_size)
             self.draft = None if drafter is None else drafter.new_state()
             self.features, common = None, 0
         target.truncate(self.target, common)
@@ -131,7 +136,8 @@ def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
                 max_context: int, prompt_cache: Optional[PromptCache] = None,
                 keys: Optional[KeyChain] = None,
                 logprobs: Optional[int] = None,
-                kv: Optional[KVQuantization] = None) -> Iterator[Step]:
+                kv: Optional[KVQuantization] = None,
+                max_kv_size: Optional[int] = None) -> Iterator[Step]:
     """Autoregressive decoding of the target alone through mlx-lm's `generate_step`
     (keys: the random keys of its draws; None: MLX's global random state; logprobs: report
     each token's log-probability with that many alternatives; kv: quantized KV caches, as
@@ -142,7 +148,7 @@ def plain_steps(target, prompt: Sequence[int], sampling: SamplingParams,
         key = None if keys is None else keys.next()
         return sampling.pick(logprobs[0], key).reshape(logprobs.shape[:-1])
 
-    start = pc.reuse(target, None, prompt)
+    start = pc.reuse(target, None, prompt, max_kv_size)
     cached = list(prompt)
     n = len(prompt)  # tokens in the cache once the last yielded token is fed
     for token, lp in generate_step(mx.array(list(prompt[start:])), target.plain_model,
@@ -170,7 +176,8 @@ def speculative_steps(target, drafter, prompt: Sequence[int], sampling: Sampling
                       keys: Optional[KeyChain] = None,
                       logprobs: Optional[int] = None,
                       pipeline: Optional[bool] = None,
-                      kv: Optional[KVQuantization] = None) -> Iterator[Step]:
+                      kv: Optional[KVQuantization] = None,
+                      max_kv_size: Optional[int] = None) -> Iterator[Step]:
     """Speculative decoding with any drafter (`drafters.Drafter`); yields one Step per
     target forward (keys: the random keys of its draws; None: MLX's global state;
     logprobs: as `plain_steps`).
@@ -185,9 +192,9 @@ def speculative_steps(target, drafter, prompt: Sequence[int], sampling: Sampling
     if pipeline is None:
         pipeline = timer is None and (prompt_cache is None or not target.node_state_bytes)
     engine = Engine(target, drafter, sampling, max_context or target.max_context, logprobs,
-                    pipeline=pipeline, kv=kv)
+                    pipeline=pipeline, kv=kv, split_prompt=max_kv_size is not None)
     pc = prompt_cache if prompt_cache is not None else PromptCache()
-    start = pc.reuse(target, drafter, prompt)
+    start = pc.reuse(target, drafter, prompt, max_kv_size)
     state = pc.state()
     state.keys = keys
     root = engine.prefill(state, prompt, start)

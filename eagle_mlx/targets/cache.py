@@ -16,7 +16,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..mlxlm import ArraysCache, KVCache, QuantizedKVCache, create_causal_mask
+from ..mlxlm import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, create_causal_mask
 
 
 class TreeKVCache(KVCache):
@@ -124,6 +124,72 @@ class QuantizedTreeKVCache(QuantizedKVCache):
 
     def arrays(self):
         return () if self.keys is None else (*self.keys, *self.values)
+
+
+class BoundedKVCache(RotatingKVCache):
+    """mlx-lm's bounded cache (`max_kv_size`: its `RotatingKVCache` with the first `keep`
+    positions kept, then a rotating window), plus a tree's `keep`. Its own updates are
+    mlx-lm's, so a prefill and plain decoding over it are mlx-lm's exactly: a one-token step
+    at position P sees the kept positions and P - W + 1..P, W = max_size - keep (what
+    `tree_mask` gives every tree node, within its ancestors); a chunk of several tokens
+    attends as mlx-lm's concatenating update lays it out (`make_mask`)."""
+
+    base = 0
+
+    def __init__(self, max_size: int, keep: int = 4):
+        super().__init__(max_size=max_size, keep=keep)
+
+    @property
+    def window(self) -> int:
+        return self.max_size - self.keep
+
+    def held_positions(self) -> mx.array:
+        """The positions the slots hold once a chunk of several tokens is appended (mlx-lm's
+        concatenating update: in order, the kept ones then the latest, trimmed to
+        max_size - 1)."""
+        keys, _, n, keep, max_size, idx = self.state
+        if keys is None:
+            return mx.zeros((0,), dtype=mx.int32)
+        held = keys.shape[2] if (idx == keys.shape[2] or idx < n) else idx
+        held = min(held, max_size - 1)
+        if held <= keep:
+            return mx.arange(n - held, n)
+        return mx.concatenate([mx.arange(keep), mx.arange(n - (held - keep), n)])
+
+    def tree_mask(self, anc: mx.array, queries: mx.array) -> mx.array:
+        """[T, slots] for a tree of T nodes at positions `queries` with ancestor-or-self mask
+        `anc` [T, T]: the kept positions, the committed ones within each node's window, its
+        ancestors — what one-token steps at those positions would see."""
+        held = self.held_positions()
+        seen = (held[None, :] < self.keep) | ((queries[:, None] - held[None, :]) < self.window)
+        return mx.concatenate([seen, anc], axis=1)
+
+    def keep_rows(self, start: int, rows) -> None:
+        """After a tree pass (mlx-lm's concatenating update appended it, in order, at the
+        end; a lone root was written in place): the accepted rows `rows` (absolute positions,
+        root first) stay, moved to follow the committed ones."""
+        keys, values, offset, keep, max_size, idx = self.state
+        rows = [int(r) for r in (rows.tolist() if isinstance(rows, mx.array) else rows)]
+        T = offset - start
+        if T == 1:
+            return  # (in place)
+        first = keys.shape[2] - T                       # the tree's first slot
+        picked = mx.array([first + (r - start) for r in rows])
+        keys = mx.concatenate([keys[..., :first, :], mx.take(keys, picked, axis=2)], axis=2)
+        values = mx.concatenate([values[..., :first, :], mx.take(values, picked, axis=2)],
+                                axis=2)
+        self.state = (keys, values, start + len(rows), keep, max_size, first + len(rows))
+
+    def reusable(self, length: int) -> bool:
+        return length >= self.offset or self.offset < self.max_size
+
+    def truncate(self, length: int) -> None:
+        if length < self.offset:
+            self.trim(self.offset - length)
+
+    def arrays(self):
+        keys, values = self.state[:2]
+        return () if keys is None else (keys, values)
 
 
 class WindowKVCache(TreeKVCache):

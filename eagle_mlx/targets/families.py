@@ -26,8 +26,8 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import BatchRecurrentCache, RaggedKVCache, RecurrentCache, TreeKVCache, \
-    WindowKVCache
+from .cache import BatchRecurrentCache, BoundedKVCache, RaggedKVCache, RecurrentCache, \
+    TreeKVCache, WindowKVCache
 from .. import mlxlm
 from ..errors import EagleError
 from .layers import apply_rope, attention
@@ -90,10 +90,19 @@ class AttentionMechanism(Mechanism):
     def __init__(self, window: Optional[int] = None, source: Optional[int] = None):
         self.window, self.source = window, source
 
-    def make_cache(self):
+    def make_cache(self, max_kv_size: Optional[int] = None):
+        """The layer's cache; max_kv_size: a full layer's is mlx-lm's bounded one."""
         if self.source is not None:
             return None
+        if self.window is None and max_kv_size is not None:
+            return BoundedKVCache(max_kv_size)
         return TreeKVCache() if self.window is None else WindowKVCache(self.window)
+
+    def accept(self, cache, start: int, rows) -> None:
+        if isinstance(cache, BoundedKVCache):
+            cache.keep_rows(start, rows)
+        else:
+            cache.keep(start, rows)
 
     def make_batch_cache(self):
         return None if self.source is not None else RaggedKVCache()
@@ -101,6 +110,15 @@ class AttentionMechanism(Mechanism):
     def mask(self, fwd: Forward, cache):
         if self.window in fwd.masks:
             return fwd.masks[self.window]
+        if isinstance(cache, BoundedKVCache):  # (mlx-lm's bounded cache: its own layout)
+            if fwd.T == 1:
+                mask = None
+            elif isinstance(fwd.mask, mx.array):
+                mask = cache.tree_mask(fwd.mask[:, -fwd.T:], fwd.queries)
+            else:
+                mask = cache.make_mask(fwd.T, return_array=True)
+            fwd.masks[self.window] = mask
+            return mask
         if fwd.tree is not None:  # a batch: each row's prefix (within the window), its tree
             mask = cache.mask(fwd.tree, fwd.T, self.window, fwd.positions)
             fwd.masks[self.window] = mask

@@ -152,9 +152,19 @@ class Target:
         per_node = self.node_state_bytes
         return None if not per_node else max(2, tree_state_budget() // per_node)
 
-    def make_cache(self) -> list:
-        """One cache per layer that keeps one (KV-shared layers read another's)."""
-        return [m.make_cache() for m in self.mechanisms if m.source is None]
+    def make_cache(self, max_kv_size: Optional[int] = None) -> list:
+        """One cache per layer that keeps one (KV-shared layers read another's); max_kv_size:
+        full-attention layers keep mlx-lm's bounded cache of that many positions."""
+        return [m.make_cache(max_kv_size) if isinstance(m, AttentionMechanism) else
+                m.make_cache() for m in self.mechanisms if m.source is None]
+
+    @property
+    def bounds_kv(self) -> bool:
+        """Whether max_kv_size can bound this model's caches: every layer attends to every
+        position (mlx-lm's bounded cache replaces each layer's; a model with sliding windows,
+        KV sharing or recurrent layers keeps its own)."""
+        return all(isinstance(m, AttentionMechanism) and m.window is None and m.source is None
+                   for m in self.mechanisms)
 
     def accept(self, caches, start: int, rows) -> None:
         """After a verify pass: every layer keeps the accepted tree rows `rows` (absolute
