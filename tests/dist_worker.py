@@ -10,7 +10,7 @@ from eagle_mlx import distributed
 
 # (sampling, speculative or plain): greedy both ways, sampling with a seed
 CASES = [(dict(temp=0.0), True), (dict(temp=0.0), False), (dict(temp=0.7, top_k=5, seed=11), True)]
-PROMPT, MAX_TOKENS = [5, 9, 11, 20], 24
+PROMPT, MAX_TOKENS = [5, 9, 11, 20], 12
 
 
 def run(pairs, out):

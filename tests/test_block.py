@@ -221,7 +221,7 @@ def test_greedy_ddtrees_equal_transformers_on_every_family(tmp_path, name):
     _reference()
     kind, overrides, taps = FAMILIES[name]
     t = make_hf_model(tmp_path / "t", kind, seed=4, vocab_size=64, scale=4.0, **overrides)
-    d = make_dflash_drafter(tmp_path / "d", t, layer_ids=taps, block_size=5, steps=120)
+    d = make_dflash_drafter(tmp_path / "d", t, layer_ids=taps, block_size=5, steps=60)
     model, tok = eagle_mlx.load(str(t), eagle=str(d))
     tok.eos_token_ids = set()
     reference = hf_model(t)
@@ -229,8 +229,8 @@ def test_greedy_ddtrees_equal_transformers_on_every_family(tmp_path, name):
     for tree in (dict(total_tokens=10, depth=3, draft_top_k=3),
                  dict(total_tokens=5, depth=3, draft_top_k=1)):
         prompt = rng.integers(3, 63, 7).tolist()
-        out, rs = _tokens(model, tok, prompt, max_tokens=24, **tree)
-        assert out == hf_greedy(reference, prompt, 24), tree
+        out, rs = _tokens(model, tok, prompt, max_tokens=16, **tree)
+        assert out == hf_greedy(reference, prompt, 16), tree
 
 
 def test_ddtree_greedy_batch_and_prompt_cache(pair):

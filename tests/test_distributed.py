@@ -65,7 +65,7 @@ def test_two_ranks_generate_what_one_process_generates(pairs, tmp_path, capsys, 
     root, named = pairs
     args = [a for name, (t, h) in named.items() for a in (name, str(t), str(h))]
     target, head = named["llama-eagle1"]
-    cli = ["--model", str(target), "--eagle", str(head), "--prompt", "t5 t9 t11", "--max-tokens", "24"]
+    cli = ["--model", str(target), "--eagle", str(head), "--prompt", "t5 t9 t11", "--max-tokens", "12"]
     lines = "t5 t9 t11\n/stats\nt7\n"
     (tmp_path / "chat.txt").write_text(lines)
     two = launch([str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), *args, "--cli", *cli])
