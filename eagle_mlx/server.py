@@ -185,6 +185,7 @@ class JobRunner:
         self.max_batch, self.running = max_batch, {}
         self.pool = PromptCachePool(max_batch)
         self.cache = PromptCache()
+        self.prefix = None  # the tokens of a prompt cache file every request goes on after
         self.jobs = queue.Queue()
         self.current, self.stopping = None, False
         self.lock = threading.Lock()  # no job is queued behind the end of the loop
@@ -522,7 +523,17 @@ class Handler(BaseHTTPRequestHandler):
                                  "content": _text_content(m.get("content"), f"messages[{i}].content")})
             if not getattr(tok, "chat_template", None):
                 raise RequestError("this model has no chat template; use /v1/completions.")
-            ids = chat_prompt(tok, rendered)
+            prefix = self.engine.prefix
+            if prefix is None:
+                ids = chat_prompt(tok, rendered)
+            else:  # (the file's prompt, then the conversation from its first user message)
+                from .generate import continuation
+
+                first = next((i for i, m in enumerate(rendered) if m["role"] == "user"), None)
+                if first is None:
+                    raise RequestError("'messages' must hold a user message: it goes on "
+                                       "after the server's cached prompt.", param="messages")
+                ids = prefix + continuation(tok, rendered, True, first)
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -530,6 +541,8 @@ class Handler(BaseHTTPRequestHandler):
             if not isinstance(prompt, str) or not prompt:
                 raise RequestError("'prompt' must be a non-empty string.", param="prompt")
             ids = encode_prompt(tok, prompt)
+            if self.engine.prefix is not None:
+                ids = self.engine.prefix + ids
         context = self.engine.model.target.max_context
         if len(ids) >= context:
             raise RequestError(f"the prompt is {len(ids)} tokens long; the model's context is "
@@ -748,6 +761,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
                    help=f"connections served at once; beyond, a JSON 503 (default "
                         f"{MAX_CONNECTIONS})")
+    p.add_argument("--prompt-cache-file", default=None,
+                   help="every request goes on after the prompt a cache file holds (python -m "
+                        "eagle_mlx.cache_prompt: a document the requests ask about; inside its "
+                        "open user message for chat requests); one request at a time")
     p.add_argument("--model-id", default=None, help="the id /v1/models reports (default: the path)")
     p.add_argument("--verbose", action="store_true", help="log every request")
     return p
@@ -777,6 +794,9 @@ def _main(argv) -> int:
     if args.kv_bits is not None and args.max_batch > 1:
         raise UsageError("--kv-bits quantizes one sequence's caches; a batch keeps float caches "
                          "(give --max-batch 1 with --kv-bits).")
+    if args.prompt_cache_file is not None and args.max_batch > 1:
+        raise UsageError("--prompt-cache-file serves one request at a time (give --max-batch 1 "
+                         "with it).")
     if args.max_kv_size is not None and args.max_batch > 1:
         raise UsageError("--max-kv-size bounds one sequence's caches; a batch keeps every "
                          "position (give --max-batch 1 with --max-kv-size).")
@@ -790,6 +810,13 @@ def _main(argv) -> int:
         follow(model, tokenizer)  # rank 0 serves; this rank runs its share of the work
         return 0
     model_id = args.model_id or args.model or "eagle_mlx-demo"
+    cache = None
+    if args.prompt_cache_file is not None:
+        from .cache_file import load
+        from .generate import plain_for_mlx_lm_files
+
+        cache = load(args.prompt_cache_file, model, defaults.kv, defaults.max_kv_size)
+        defaults = plain_for_mlx_lm_files(cache, defaults, args.prompt_cache_file)
     if defaults.speculate == "auto" and model.group is None:
         model.costs()  # (measured before serving, where this machine has no record yet)
     try:
@@ -797,6 +824,8 @@ def _main(argv) -> int:
     except OSError as e:
         raise EagleError(f"cannot listen on {args.host}:{args.port} ({e.strerror}).") from None
     server.engine = JobRunner(model, tokenizer, model_id, max_batch=args.max_batch)
+    if cache is not None:
+        server.engine.cache, server.engine.prefix = cache, list(cache.tokens)
     server.api_key, server.max_body = args.api_key, args.max_body_bytes
     server.defaults = defaults
     server.verbose, server.started = args.verbose, int(time.time())

@@ -193,3 +193,44 @@ def test_chat_goes_on_inside_the_files_open_message(pair, tmp_path):
     third = reply([{"role": "user", "content": "t42"}])
     lines = [line for line in proc.stdout.splitlines() if not line.startswith("[")]
     assert lines[:2] == [first, second] and lines[-1] == third
+
+
+def test_the_server_answers_every_request_after_the_files_prompt(pair, tmp_path):
+    """server --prompt-cache-file: every chat request goes on inside the file's open user
+    message, every completion after its prompt; two different conversations in a row each
+    get what generating from those prompts gives (the second cutting the cache back to the
+    file's prompt). Several requests at once with it are refused in one sentence."""
+    pytest.importorskip("openai", reason="the openai client (test extra) is not installed")
+    from test_cli import one_sentence
+    from test_server import KEY, Running
+
+    from eagle_mlx.cache_prompt import prompt_ids
+    from eagle_mlx.decoding.plan import encode_prompt
+    from eagle_mlx.generate import continuation
+
+    target, head = pair
+    path = tmp_path / "doc.safetensors"
+    assert tool("cache_prompt", "--model", target, "--eagle", head, "--prompt", "t5 t9 t13",
+                "--prompt-cache-file", path).returncode == 0
+    one_sentence(tool("server", "--model", target, "--prompt-cache-file", path,
+                      "--max-batch", "2"), 2, "--prompt-cache-file serves one request at a time")
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    prefix = prompt_ids(tok, "t5 t9 t13", True)
+    server = Running(["--model", target, "--eagle", head, "--api-key", KEY,
+                      "--prompt-cache-file", path])
+    try:
+        client = server.client()
+        for question in ("t40 t41", "t7"):
+            messages = [{"role": "user", "content": question}]
+            r = client.chat.completions.create(model="default", messages=messages,
+                                               max_tokens=8)
+            ids = prefix + continuation(tok, messages, True, 0)
+            assert r.choices[0].message.content == eagle_mlx.generate(
+                model, tok, ids, max_tokens=8, speculate=False)
+            assert r.usage.prompt_tokens == len(ids)
+        r = client.completions.create(model="default", prompt=" t50", max_tokens=6)
+        ids = prefix + encode_prompt(tok, " t50")
+        assert r.choices[0].text == eagle_mlx.generate(model, tok, ids, max_tokens=6,
+                                                       speculate=False)
+    finally:
+        assert server.stop() == 0, "".join(server.lines[-20:])
