@@ -106,8 +106,10 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     options adaptive speculation (`speculate="auto"`) chooses from; True (or a
     `lookup.LookupSettings`): also whenever speculation is forced, alone (eagle=None) or as
     branches of the head's tree within its node budget; False: never.
-    draft_window: a block drafter keeps the context of the last N positions only (long
-    contexts: its draft cost stays bounded; None: the checkpoint's own window, else all).
+    draft_window: a block drafter keeps the context of the last N positions only; an EAGLE
+    head or MTP module attends, each drafting pass, to the last N positions its cache holds
+    (long contexts: the draft cost stays bounded; None: the checkpoint's own window, else
+    all).
     draft_confidence: a DSpark drafter's chain ends, each cycle, where its confidence head
     says it survives verification with less than this probability (None: never).
     Returns (EagleModel, tokenizer); with eagle=None and no lookup decoding is plain.
@@ -148,9 +150,14 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
                           if auto else None), tokenizer
     head = load_head(eagle, t)
     if draft_window is not None:
-        check(getattr(head, "block", False), "draft_window applies to block drafters "
-              f"(DFlash); {eagle} is a {head.kind} head.", "draft_window")
-        head.args.draft_window = int(draft_window)
+        check(getattr(head, "block", False) or hasattr(head, "cache_layers") and
+              not getattr(head, "reads_kv", False),
+              "draft_window applies to block drafters, EAGLE heads and MTP modules; "
+              f"{eagle} is a {head.kind} drafter.", "draft_window")
+        if getattr(head, "block", False):
+            head.args.draft_window = int(draft_window)
+        else:
+            head.draft_window = int(draft_window)
     if draft_confidence is not None:
         check(getattr(head, "block", False) and "confidence_head" in head,
               f"draft_confidence applies to DSpark drafters with a confidence head; {eagle} is "

@@ -131,7 +131,6 @@ CASES = [
     ("generate", GEN + ["--lookup", "--no-lookup"], 2, "--lookup and --no-lookup contradict"),
     ("generate", GEN + ["--draft-window", "0"], 2, "--draft-window"),
     ("generate", GEN + ["--draft-window", "-3"], 2, "--draft-window"),
-    ("generate", GEN + ["--draft-window", "8"], 1, "draft_window applies to block drafters"),
     ("generate", GEN + ["--draft-confidence", "1.5"], 2, "--draft-confidence"),
     ("generate", GEN + ["--draft-confidence", "nan"], 2, "--draft-confidence"),
     ("generate", GEN + ["--draft-confidence", "0.5"], 1,

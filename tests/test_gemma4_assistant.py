@@ -223,6 +223,9 @@ def test_assistants_that_do_not_fit_are_refused_in_one_sentence(pair, tmp_path):
     (other / "model.safetensors").symlink_to(assistant_dir / "model.safetensors")
     with pytest.raises(EagleError, match="another size of the family"):
         eagle_mlx.load(str(target_dir), eagle=str(other))
+    with pytest.raises(EagleError, match="draft_window applies to block drafters, EAGLE heads "
+                                         "and MTP modules"):
+        eagle_mlx.load(str(target_dir), eagle=str(assistant_dir), draft_window=8)
 
 
 def test_convert_writes_an_assistant_read_back_identically(pair, tmp_path):

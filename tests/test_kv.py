@@ -327,3 +327,43 @@ def test_bad_bounds_are_one_sentence(pairs, tiny_dir):
                  2, "--max-kv-size bounds one sequence's caches")
     one_sentence(tool("generate", "--model", target, "--prompt", "t5", "--max-kv-size", "2"),
                  2, "--max-kv-size must be a whole number")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_a_heads_draft_window_bounds_its_passes_and_changes_drafts_not_tokens(pairs, name):
+    """load(..., draft_window=8) on an EAGLE-1 and an EAGLE-3 head: past a long prompt, every
+    drafting pass reads at most the 8 positions before it and its own (its attention's keys),
+    the drafts differ from the unwindowed head's, and the tokens are plain decoding's."""
+    from eagle_mlx.decoding.drafters import head_drafter
+    from eagle_mlx.targets.cache import DraftWindowKVCache
+
+    target, head = pairs[name]
+    prompt = PROMPT * 3
+    full, tok = eagle_mlx.load(str(target), eagle=str(head))
+    windowed, _ = eagle_mlx.load(str(target), eagle=str(head), draft_window=8)
+    tok.eos_token_ids = set()
+    tree = dict(total_tokens=10, depth=3, draft_top_k=3)
+    plain = fresh(full, tok, prompt, max_tokens=24, speculate=False)
+    assert fresh(windowed, tok, prompt, max_tokens=24, **tree) == plain
+    read = []
+    fetch = DraftWindowKVCache.update_and_fetch
+
+    def spy(self, keys, values):
+        k, v = fetch(self, keys, values)
+        read.append((keys.shape[2], k.shape[2]))
+        return k, v
+
+    drafts = []
+    for model in (full, windowed):
+        engine = Engine(model.target, head_drafter(model.head, model.target, 10, 3, 3),
+                        SamplingParams(), 512)
+        state = engine.new_state()
+        engine.prefill(state, prompt)
+        DraftWindowKVCache.update_and_fetch = spy
+        try:
+            drafts.append(engine.draft(state).tokens.tolist())
+        finally:
+            DraftWindowKVCache.update_and_fetch = fetch
+    assert drafts[0] != drafts[1]
+    assert read and all(seen <= 8 + new for new, seen in read[1:])  # (after the catch-up)
+    assert read[0][1] == len(prompt)  # (the first pass: its own positions)

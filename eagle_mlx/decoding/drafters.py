@@ -158,7 +158,8 @@ class EagleDrafter(Drafter):
 
     def batch_key(self):
         """Dynamic trees of one shape, with a head whose layers a batch can hold."""
-        if self.static is not None or not self.head.drafts_batched:
+        if self.static is not None or not self.head.drafts_batched or \
+                self.head.draft_window is not None:  # (a window: its own caches, alone)
             return None
         return ("eagle", id(self.head), self.depth, self.top_k)
 

@@ -53,6 +53,9 @@ class DraftHead(nn.Module):
     methods that raise here."""
     kind: str = ""
     draft = None  # a DraftVocab where the head drafts over a reduced vocabulary (EAGLE-1)
+    # draft window: each drafting pass attends to the last N positions its cache holds
+    # (`load(..., draft_window=N)`; None: all of them)
+    draft_window: Optional[int] = None
 
     def __init__(self, source: Optional[HeadSource] = None):
         super().__init__()

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import mlxlm
-from ..targets.cache import HeadCache, TreeKVCache
+from ..targets.cache import DraftWindowKVCache, HeadCache, TreeKVCache
 from ..targets.layers import attention
 from .base import DraftHead, HeadSource
 
@@ -217,7 +217,8 @@ class Eagle1Head(DraftHead):
         return draft_ids if self.draft is None else self.draft.ids[draft_ids]
 
     def make_cache(self):
-        return TreeKVCache()
+        return TreeKVCache() if self.draft_window is None else \
+            DraftWindowKVCache(self.draft_window)
 
     # (its one layer's cache is its whole cache)
     def cache_layers(self, cache) -> list:
@@ -341,7 +342,8 @@ class Eagle3Head(DraftHead):
 
     def make_cache(self):
         return HeadCache(self.args.num_layers,
-                         any(self.args.window(i) for i in range(self.args.num_layers)))
+                         any(self.args.window(i) for i in range(self.args.num_layers)),
+                         self.draft_window)
 
 
 HEAD_CLASSES = {"eagle1": Eagle1Head, "eagle3": Eagle3Head}

@@ -194,7 +194,7 @@ class MTPHead(DraftHead):
         return target.lm_head(out_hidden)
 
     def make_cache(self):
-        return HeadCache(len(self.layers))
+        return HeadCache(len(self.layers), window=self.draft_window)
 
 
 def layer_count(config: dict, weights: Dict[str, mx.array]) -> int:

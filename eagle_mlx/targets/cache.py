@@ -82,6 +82,22 @@ class TreeKVCache(KVCache):
         return q
 
 
+class DraftWindowKVCache(TreeKVCache):
+    """A draft head's cache with a draft window: each pass attends to the last `window`
+    positions it held before the pass, and to the pass's own (its attention reads the slots
+    from `visible_from` on), so a head's cost stops growing with the context."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window, self.visible_from = window, 0
+
+    def update_and_fetch(self, keys, values):
+        lo = max(0, self.offset - self.window)
+        k, v = super().update_and_fetch(keys, values)
+        self.visible_from = lo
+        return k[..., lo:, :], v[..., lo:, :]
+
+
 class QuantizedTreeKVCache(QuantizedKVCache):
     """mlx-lm's quantized KV cache (`kv_bits`: each position's keys and values packed in
     groups of `group_size`, with a scale and a bias per group) plus what a tree needs:
@@ -357,8 +373,11 @@ class HeadCache:
     of several layers, MTP modules): they hold the same positions, so `offset` and
     `truncate` are the first's and every layer's."""
 
-    def __init__(self, layers: int, positioned: bool = False):
-        self.layers = [PositionedKVCache() if positioned else TreeKVCache()
+    def __init__(self, layers: int, positioned: bool = False, window: Optional[int] = None):
+        """positioned: layers that record their positions (a head with sliding windows);
+        window: a draft window (`DraftWindowKVCache`)."""
+        self.layers = [PositionedKVCache() if positioned else
+                       TreeKVCache() if window is None else DraftWindowKVCache(window)
                        for _ in range(layers)]
 
     @property

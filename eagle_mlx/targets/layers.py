@@ -82,6 +82,9 @@ def attention(
     k = apply_rope(attn.rope, k, offset, positions)
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
+        lo = getattr(cache, "visible_from", 0)  # (a draft window: the slots from lo on)
+        if lo and isinstance(mask, mx.array):
+            mask = mask[..., lo:]
     if mask is None and T > 1:
         mask = "causal"
     if hasattr(cache, "bits"):  # a quantized cache (`kv_bits`): mlx-lm's quantized attention
