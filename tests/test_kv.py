@@ -367,3 +367,18 @@ def test_a_heads_draft_window_bounds_its_passes_and_changes_drafts_not_tokens(pa
     assert drafts[0] != drafts[1]
     assert read and all(seen <= 8 + new for new, seen in read[1:])  # (after the catch-up)
     assert read[0][1] == len(prompt)  # (the first pass: its own positions)
+
+
+def test_a_windowed_heads_batch_rows_are_their_runs_alone(pairs):
+    """Rows of a batch with a windowed head (drafting alone, each with its own caches) are
+    their runs alone: greedy, and sampled with a seed (the same draws)."""
+    target, head = pairs["llama"]
+    model, tok = eagle_mlx.load(str(target), eagle=str(head), draft_window=8)
+    tok.eos_token_ids = set()
+    prompts = [PROMPT * 2, PROMPT[:5], PROMPT * 3]
+    for s in (GenerationSettings(max_tokens=16, total_tokens=8, depth=3, draft_top_k=2),
+              GenerationSettings(max_tokens=16, total_tokens=8, depth=3, draft_top_k=2,
+                                 temp=0.8, seed=3)):
+        alone = [fresh(model, tok, p, settings=s) for p in prompts]
+        res = eagle_mlx.batch_generate(model, tok, prompts, settings=[s] * 3)
+        assert [r.tokens for r in res.results] == alone, s
