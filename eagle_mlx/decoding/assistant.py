@@ -16,11 +16,11 @@ from typing import List, Sequence
 import mlx.core as mx
 
 from .compiled import compiled
-from .drafters import Drafter, DraftRow
-from .tree import Tree, _first_level, _next_level_batch, _parent_offset, _rerank
+from .drafters import DraftRow, HeadDrafter
+from .tree import Tree, _first_level, _next_level_batch, _parent_offset, reranked_rows
 
 
-class AssistantDrafter(Drafter):
+class AssistantDrafter(HeadDrafter):
     features = ()  # the target's post-norm hidden states
     reads_kv = True
 
@@ -30,19 +30,6 @@ class AssistantDrafter(Drafter):
         self.max_depth = depth + 1
         self.kv_layers = head.kv_layers(target)
         self.scale = head.embed_scale(target)
-
-    @property
-    def owner(self):
-        return self.head
-
-    def new_state(self):
-        return self.head.make_cache()
-
-    def offset(self, state) -> int:
-        return state.offset
-
-    def truncate(self, state, length: int) -> None:
-        state.truncate(length)
 
     def take_kv(self, state, caches, n: int, row=None) -> None:
         """Where the target's committed keys and values are (positions before n): its
@@ -119,9 +106,5 @@ class AssistantDrafter(Drafter):
             frontier = mx.take_along_axis(child_ids, chosen, axis=1)
             tokens_list.append(child_ids)
             scores_list.append(cum)
-        all_scores = mx.concatenate(scores_list, axis=1)
-        all_tokens = mx.concatenate(tokens_list, axis=1)
-        all_parents = mx.concatenate(parents_list, axis=1)
-        return [Tree(*compiled(_rerank, total - 1, k, self.depth)(
-            all_scores[i], all_tokens[i], all_parents[i], r))
-            for i, (r, total) in enumerate(zip(roots, totals))]
+        return reranked_rows(scores_list, tokens_list, parents_list, roots, totals, k,
+                             self.depth)

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from ..targets.layers import log_softmax
 from .compiled import compiled
-from .drafters import Drafter
+from .drafters import HeadDrafter
 from .tree import Tree, _topk, ancestors
 
 
@@ -89,7 +89,7 @@ def build_ddtree(logprobs: mx.array, root: mx.array, budget: int, top_k: int,
     return Tree(tokens, parents, anc, anc.sum(axis=1) - 1, scores)
 
 
-class BlockDrafter(Drafter):
+class BlockDrafter(HeadDrafter):
     """A block drafter's DDTree of `total_tokens` nodes with the root, at most `depth` + 1
     levels (as an EAGLE-2 tree's `depth`; at most the block's size - 1), `top_k` candidates
     per position (1: the chain). The block run is as long as the tree is deep (the
@@ -103,18 +103,8 @@ class BlockDrafter(Drafter):
         self.max_depth = self.levels
         self.features = head.feature_taps(target)
 
-    @property
-    def owner(self):
-        return self.head
-
     def new_state(self):
         return self.head.make_cache(self.window)
-
-    def offset(self, state) -> int:
-        return state.offset
-
-    def truncate(self, state, length: int) -> None:
-        state.truncate(length)
 
     def _catch_up(self, state, features) -> None:
         """The committed positions' features [m, F] into the context (none: nothing new)."""

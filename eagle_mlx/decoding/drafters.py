@@ -122,17 +122,11 @@ class Drafter:
         return trees
 
 
-class EagleDrafter(Drafter):
-    """An EAGLE-1 or EAGLE-3 head: the EAGLE-2 dynamic tree (`total_tokens` nodes with the
-    root, `depth` levels, `top_k` children per node) or a static tree (`tree_choices`)."""
+class HeadDrafter(Drafter):
+    """A drafter whose per-sequence state is its head's own (`head.make_cache()`, with an
+    `offset` and a `truncate`), the head being what a prompt cache's state belongs to."""
 
-    def __init__(self, head, target, total_tokens: int, depth: int, top_k: int,
-                 tree_choices=None):
-        self.head, self.target = head, target
-        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
-        self.static = StaticTree(tree_choices, top_k) if tree_choices else None
-        self.max_depth = self.static.max_depth if self.static else depth + 1
-        self.features = head.feature_taps(target)
+    head = None
 
     @property
     def owner(self):
@@ -146,6 +140,19 @@ class EagleDrafter(Drafter):
 
     def truncate(self, state, length: int) -> None:
         state.truncate(length)
+
+
+class EagleDrafter(HeadDrafter):
+    """An EAGLE-1 or EAGLE-3 head: the EAGLE-2 dynamic tree (`total_tokens` nodes with the
+    root, `depth` levels, `top_k` children per node) or a static tree (`tree_choices`)."""
+
+    def __init__(self, head, target, total_tokens: int, depth: int, top_k: int,
+                 tree_choices=None):
+        self.head, self.target = head, target
+        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+        self.static = StaticTree(tree_choices, top_k) if tree_choices else None
+        self.max_depth = self.static.max_depth if self.static else depth + 1
+        self.features = head.feature_taps(target)
 
     def propose(self, state, features, tokens, root) -> Tree:
         if self.static is not None:

@@ -236,9 +236,19 @@ def draft_dynamic_batch(head, target, cache, features, tokens, roots,
         scores_list.append(cum)
     for c in layers:
         c.truncate_rows(stable)
+    return reranked_rows(scores_list, tokens_list, parents_list, roots, totals, top_k, depth,
+                         rows)
+
+
+def reranked_rows(scores_list, tokens_list, parents_list, roots, totals, top_k: int,
+                  depth: int, rows=None) -> List[Tree]:
+    """The trees of several rows drafted at once (per level: scores, tokens and pool parents
+    [N, ...]; `rows`: the drafting rows' indices, default all): each row's `total - 1` best
+    nodes under its root."""
     all_scores = mx.concatenate(scores_list, axis=1)
     all_tokens = mx.concatenate(tokens_list, axis=1)
     all_parents = mx.concatenate(parents_list, axis=1)
+    rows = range(len(roots)) if rows is None else rows
     return [Tree(*compiled(_rerank, total - 1, top_k, depth)(
         all_scores[r], all_tokens[r], all_parents[r], root))
         for r, root, total in zip(rows, roots, totals)]

@@ -33,15 +33,23 @@ class TreeKVCache(KVCache):
     def keep(self, start: int, rows) -> None:
         """Move slots `rows` (absolute, each >= start; a list or an array) to start.. and
         drop the rest."""
-        if isinstance(rows, list):
-            if rows == list(range(start, start + len(rows))):  # (already in place: a plain
-                self.offset = start + len(rows)                 # pass, or a whole chain)
-                return
-            rows = mx.array(rows)
+        rows = self._moved(start, rows)
+        if rows is None:
+            return
         n = rows.shape[0]
         self.keys[..., start : start + n, :] = mx.take(self.keys, rows, axis=2)
         self.values[..., start : start + n, :] = mx.take(self.values, rows, axis=2)
         self.offset = start + n
+
+    def _moved(self, start: int, rows) -> Optional[mx.array]:
+        """`keep`'s rows as an array, or None where they are in place already (a plain
+        pass, or a whole chain: then only the length changes)."""
+        if isinstance(rows, list):
+            if rows == list(range(start, start + len(rows))):
+                self.offset = start + len(rows)
+                return None
+            rows = mx.array(rows)
+        return rows
 
     def reusable(self, length: int) -> bool:
         """Whether the cache can be cut back to its first `length` positions."""
@@ -109,19 +117,18 @@ class QuantizedTreeKVCache(QuantizedKVCache):
     def keep(self, start: int, rows) -> None:
         """As `TreeKVCache.keep`: the accepted rows' packed values, scales and biases moved
         to start.."""
-        if isinstance(rows, list):
-            if rows == list(range(start, start + len(rows))):
-                self.offset = start + len(rows)
-                return
-            rows = mx.array(rows)
+        rows = TreeKVCache._moved(self, start, rows)
+        if rows is None:
+            return
         n = rows.shape[0]
         for parts in (self.keys, self.values):
             for x in parts:
                 x[..., start : start + n, :] = mx.take(x, rows, axis=2)
         self.offset = start + n
 
-    def reusable(self, length: int) -> bool:
-        return True
+    reusable = TreeKVCache.reusable
+    restore = TreeKVCache.restore
+    truncate = TreeKVCache.truncate
 
     def snapshot(self) -> dict:
         saved = dict(vars(self))
@@ -129,14 +136,6 @@ class QuantizedTreeKVCache(QuantizedKVCache):
             self.keys = tuple(mx.array(x) for x in self.keys)
             self.values = tuple(mx.array(x) for x in self.values)
         return saved
-
-    def restore(self, saved: dict) -> None:
-        self.__dict__.clear()
-        self.__dict__.update(saved)
-
-    def truncate(self, length: int) -> None:
-        if length < self.offset:
-            self.trim(self.offset - length)
 
     def arrays(self):
         return () if self.keys is None else (*self.keys, *self.values)
@@ -199,9 +198,7 @@ class BoundedKVCache(RotatingKVCache):
     def reusable(self, length: int) -> bool:
         return length >= self.offset or self.offset < self.max_size
 
-    def truncate(self, length: int) -> None:
-        if length < self.offset:
-            self.trim(self.offset - length)
+    truncate = TreeKVCache.truncate
 
     def arrays(self):
         keys, values = self.state[:2]
