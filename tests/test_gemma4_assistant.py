@@ -10,36 +10,21 @@ import pytest
 
 from conftest import TINY_TARGETS
 from test_windows import chi_square_against_transformers, hf_greedy, hf_model
-from tiny import make_hf_model
+from tiny import make_gemma4_assistant, make_hf_model
 
 import eagle_mlx
 from eagle_mlx import GenerationSettings
 from eagle_mlx.errors import EagleError
 
 
-def _assistant(folder, target, ordered=False, seed=0):
-    """A tiny assistant for the transformers Gemma 4 `target` (4 layers, three sliding and
-    one full, reading the target's keys and values), saved to `folder`."""
+def _assistant(folder, target_dir, ordered=False):
+    """A tiny untrained assistant for the transformers Gemma 4 target in `target_dir`
+    (`tiny.make_gemma4_assistant`), saved to `folder`: transformers' module, loaded back."""
     import torch
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+    from transformers import Gemma4AssistantForCausalLM
 
-    tc = target.config
-    text = Gemma4TextConfig(
-        vocab_size=tc.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=tc.num_key_value_heads, head_dim=16,
-        global_head_dim=32, layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        sliding_window=tc.sliding_window, hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=0, num_kv_shared_layers=4,
-        rope_parameters=tc.rope_parameters, rms_norm_eps=1e-6, max_position_embeddings=512)
-    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=tc.hidden_size,
-                                   use_ordered_embeddings=ordered, num_centroids=8,
-                                   centroid_intermediate_top_k=2)
-    torch.manual_seed(seed)
-    model = Gemma4AssistantForCausalLM(config).eval()
-    if ordered:  # (transformers leaves the ordering zero: a permutation of the vocabulary)
-        model.masked_embedding.token_ordering.copy_(torch.randperm(tc.vocab_size))
-    model.save_pretrained(str(folder))
-    return model
+    make_gemma4_assistant(folder, target_dir, ordered=ordered)
+    return Gemma4AssistantForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +40,13 @@ def target(target_dir):
 
 
 @pytest.fixture(scope="module")
-def pair(target_dir, target):
-    _assistant(target_dir.parent / "a", target)
+def pair(target_dir):
+    _assistant(target_dir.parent / "a", target_dir)
     return target_dir, target_dir.parent / "a"
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["tied-head", "centroid-head"])
-def test_drafting_steps_match_transformers(tmp_path, target, ordered):
+def test_drafting_steps_match_transformers(tmp_path, target_dir, target, ordered):
     """Three chained steps after a prompt longer than the sliding window: every step's
     logits and fed-back hidden state within 1e-4 of transformers' assistant, given the
     target's shared keys and values, its post-norm last hidden state and its scaled
@@ -70,7 +55,7 @@ def test_drafting_steps_match_transformers(tmp_path, target, ordered):
 
     from eagle_mlx.heads.gemma4_assistant import AssistantArgs, Gemma4Assistant
 
-    reference = _assistant(tmp_path / "a", target, ordered)
+    reference = _assistant(tmp_path / "a", target_dir, ordered)
     config = json.loads((tmp_path / "a" / "config.json").read_text())
     ours = Gemma4Assistant(AssistantArgs.from_config(config, tmp_path / "a"))
     weights = mx.load(str(tmp_path / "a" / "model.safetensors"))

@@ -190,8 +190,6 @@ def chi_square_against_transformers(target_dir, head_dir, prompt, runs=400, n_to
     """p-value of the first `n_tokens` sampled tokens (EAGLE, temperature 0.7, top-k 5,
     top-p 0.9, tree 10/3/3; `steps` makes the steps from those, `eagle_steps` by default)
     against transformers' logits enumerated exactly."""
-    from scipy.stats import chi2
-
     from eagle_mlx.decoding.accept import process_logits
 
     model, _ = eagle_mlx.load(str(target_dir), eagle=str(head_dir))
@@ -222,6 +220,14 @@ def chi_square_against_transformers(target_dir, head_dir, prompt, runs=400, n_to
             lp = sum(logp[j, s[j]] for j in range(n_tokens - 1))
             for last in range(vocab):
                 dist[s + (last,)] = float(np.exp(lp + logp[n_tokens - 1, last]))
+    return chi_square_p(counts, dist, runs)
+
+
+def chi_square_p(counts: dict, dist: dict, runs: int) -> float:
+    """p-value of `runs` draws counted per outcome against the probabilities `dist` (every
+    outcome), the outcomes expected fewer than 5 times pooled into one cell."""
+    from scipy.stats import chi2
+
     cells, other_obs, other_exp = [], 0, 0.0
     for key, p in dist.items():
         if p * runs >= 5:
