@@ -82,13 +82,16 @@ def save(path, prompt_cache: PromptCache, model, model_id: str = "",
     metadata = {"model": model_id, "tokenizer_config": "{}", "eagle_mlx": json.dumps(info)}
     path = Path(path)
     tmp = path.with_name(path.name + ".partial.safetensors")
+    if not path.parent.is_dir():
+        raise EagleError(f"cannot write the prompt cache file {path}: its folder "
+                         f"{path.parent} does not exist.")
     try:
         mlxlm.save_prompt_cache(str(tmp), entries, metadata)
         tmp.replace(path)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # (MLX says RuntimeError where it cannot open it)
         tmp.unlink(missing_ok=True)
-        raise EagleError(f"cannot write the prompt cache file {path} ({e.strerror}).") \
-            from None
+        why = e.strerror if isinstance(e, OSError) else "it cannot be opened for writing"
+        raise EagleError(f"cannot write the prompt cache file {path} ({why}).") from None
 
 
 def load(path, model, kv=None, max_kv_size: Optional[int] = None) -> PromptCache:

@@ -158,6 +158,8 @@ CASES = [
      "missing.safetensors does not exist"),
     ("cache_prompt", ["--model", "{T}", "--prompt", "t5", "--prompt-cache-file",
                       "{R}/c.safetensors", "--kv-bits", "9"], 2, "--kv-bits must be one of"),
+    ("cache_prompt", ["--model", "{T}", "--prompt", "t5", "--prompt-cache-file",
+                      "{R}/no/such/folder/c.safetensors"], 1, "its folder"),
     ("server", ["--model", "{T}", "--speculate", "yes"], 2, "--speculate"),
     ("chat", ["--model", "{T}", "--lookup", "--lookup-min-match", "-3"], 2, "--lookup-min-match"),
     ("chat", ["--model", "{T}", "--seed", "-5"], 2, "--seed"),
