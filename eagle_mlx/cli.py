@@ -348,7 +348,13 @@ def describe_costs(model, settings) -> Optional[str]:
     costs = model.costs()
     verify = ", ".join(f"{n} {s * 1e3:.1f}" for n, s in costs.verify_points)
     draft = ", ".join(f"{k} +{s * 1e3:.1f}" for k, s in costs.draft_costs.items())
-    return (f"costs, ms a pass by nodes: {verify}" + (f"; drafting: {draft}" if draft else ""))
+    text = f"costs, ms a pass by nodes: {verify}" + (f"; drafting: {draft}" if draft else "")
+    if costs.longer is not None:
+        text += (f"; each position of context adds {costs.grow_fixed * 1e6:.2f} us + "
+                 f"{costs.grow_node * 1e6:.2f} us a node to a pass"
+                 + (f", {costs.grow_level * 1e6:.2f} us a drafted level" if draft else "")
+                 + f" (measured at {costs.at} and {costs.longer['at']} positions)")
+    return text
 
 
 def describe_head(head) -> str:
@@ -389,9 +395,11 @@ def speculation_summary(r, costs=None) -> str:
     text = (f"auto, {sum(drafted.values())} of {total} passes speculated"
             + (f" ({kinds})" if kinds else "") + f", tau {r.mean_accept_length:.2f}")
     if costs is not None:
-        plain = costs.verify(1)
+        context = r.prompt_tokens + r.generation_tokens
+        plain = costs.verify(1, context)
         text += "; a pass over 2, 4, 8 tokens costs " + ", ".join(
-            f"{costs.verify(n) / plain:.1f}" for n in (2, 4, 8)) + " plain passes here"
+            f"{costs.verify(n, context) / plain:.1f}" for n in (2, 4, 8)) + \
+            f" plain passes here at {context} positions"
     return text
 
 

@@ -9,6 +9,11 @@ head's options, whose cycles less the chain of as many nodes are what drafting a
 engine drafts ahead as it does when generating, and the costs are the cycles' own timings,
 the ones the controller reads afterwards (from the cycle's draft to its one sync), so they
 include the host's work as generating pays it.
+
+Attention reads every cached position, so the same cycles are timed again after a long
+prompt (LONG_CONTEXT positions, or half the model's context): the controller takes each
+option's cost on the line through the two, at the sequence's current length (the
+drafter's within its draft window).
 """
 
 import json
@@ -20,9 +25,11 @@ from typing import Callable, List, Optional, Sequence
 from .errors import EagleError
 from .outputs import user_cache
 
-COSTS_VERSION = 2
+COSTS_VERSION = 3
 VERIFY_POINTS = (1, 2, 4, 8, 16)      # chain nodes measured (interpolated between)
 MEASURE_PROMPT = 12                   # prompt tokens prefilled before measuring
+LONG_CONTEXT = 1024                   # ... before measuring again (the costs' growth)
+MIN_LONG_CONTEXT = 128                # a model whose context is shorter: measured once
 SLOW_CYCLE = 0.25                     # seconds: a cycle this slow is timed once, not twice
 LINEAR = 0.9                          # cost(n) >= LINEAR * n * cost(1) from n = 4 on: larger
 #                                       n cannot pay (2 alone is too noisy to tell)
@@ -31,8 +38,11 @@ LINEAR = 0.9                          # cost(n) >= LINEAR * n * cost(1) from n =
 def costs_path(model) -> Path:
     from .tuning import _key, entry_path
 
-    return entry_path(user_cache("costs"), dict(
-        _key(model.head_path, model.target.path, model.target.dtype), version=COSTS_VERSION))
+    key = dict(_key(model.head_path, model.target.path, model.target.dtype),
+               version=COSTS_VERSION)
+    if draft_window(model.head) is not None:  # (a windowed head's draft cost stops growing)
+        key["draft_window"] = draft_window(model.head)
+    return entry_path(user_cache("costs"), key)
 
 
 def read_costs(model):
@@ -70,8 +80,46 @@ def head_options(model) -> List:
     return options
 
 
+def draft_window(head) -> Optional[int]:
+    """The positions a drafter reads at most (its draft window), None: all of them."""
+    if head is None:
+        return None
+    window = getattr(head, "draft_window", None)
+    args = getattr(head, "args", None)
+    return window if window is not None else getattr(args, "draft_window", None)
+
+
+def long_context(target) -> int:
+    """Where the second measurement is taken: LONG_CONTEXT positions, or half the model's
+    context where that is shorter (0: too short to tell a slope from noise)."""
+    n = min(LONG_CONTEXT, target.max_context // 2)
+    return n if n >= MIN_LONG_CONTEXT else 0
+
+
 def measure(model, options: Sequence):
-    """Time cycles of each option on this machine (see the module docstring)."""
+    """Time cycles of each option on this machine, after a short prompt and again after a
+    long one (see the module docstring)."""
+    from .decoding.adaptive import Costs
+
+    short = _measure_at(model, options, MEASURE_PROMPT)
+    longer, at = None, long_context(model.target)
+    if at:
+        ns = [n for n, _ in short.verify_points]  # (the first, a middle and the last: a line)
+        verify, draft, _ = _measure_at(model, options, at,
+                                       points=sorted({ns[0], ns[len(ns) // 2], ns[-1]}),
+                                       labels=set(short.draft_costs))
+        window = draft_window(model.head)
+        longer = {"at": at, "draft_at": at if window is None else min(at, window),
+                  "draft_window": window,
+                  "verify": dict(verify.verify_points), "draft": draft}
+    return Costs(dict(short.verify_points), short.draft_costs, short.catch_up,
+                 MEASURE_PROMPT, longer)
+
+
+def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=None):
+    """The costs after a prompt of `prompt_len` tokens: the chains of nothing drafted at
+    VERIFY_POINTS (`points`: at these), then the head's options whose verify leaves room to
+    pay (`labels`: those). Returns Costs (short) or (Costs, draft, catch_up) (long)."""
     import mlx.core as mx
 
     from .decoding.adaptive import AdaptiveDrafter, Costs, lookup_chain
@@ -84,7 +132,7 @@ def measure(model, options: Sequence):
     engine = Engine(target, drafter, SamplingParams(), target.max_context, pipeline=True)
     state = engine.new_state()
     V = target.vocab_size
-    prompt = [(7 + 7919 * i) % V for i in range(MEASURE_PROMPT)]
+    prompt = [(7 + 7919 * i) % V for i in range(prompt_len)]
     engine.prefill(state, prompt)
 
     def cycle() -> Optional[float]:
@@ -119,30 +167,37 @@ def measure(model, options: Sequence):
         return 1.3 * Costs(verify).verify(option.nodes)
 
     timed(lookup_chain(0))  # (everything's first run)
-    for n in VERIFY_POINTS:
+    for n in points or VERIFY_POINTS:
         if n - 1 > drafter.max_lookup:
             break
         runs = timed(lookup_chain(n - 1))
         verify[n] = min(runs[1:] or runs)
-        if n >= 4 and verify[n] >= LINEAR * n * verify[1]:
+        if points is None and n >= 4 and verify[n] >= LINEAR * n * verify[1]:
             break  # (the cost grows as fast as the tokens: longer chains cannot pay)
     low = 0.0  # (a larger chain never costs less: what noise says otherwise is evened out)
     for n in sorted(verify):
         verify[n] = low = max(verify[n], low)
     costs = Costs(verify)
     draft, catch_up = {}, 0.0
-    # the options whose verify alone leaves room to pay (an option yields at most its depth
-    # + 1 tokens): of the chains, the shortest and the longest (interpolated between)
-    can_pay = [o for o in drafter.head_options  # (those within a hybrid's node bound)
-               if costs.verify(o.nodes) < LINEAR * (o.depth + 1) * costs.verify(1)]
-    chains = [o for o in can_pay if o.chain]
-    for i, o in enumerate(chains[:1] + [o for o in can_pay if not o.chain] + chains[1:][-1:]):
+    if labels is not None:
+        measured = [o for o in drafter.head_options if o.label() in labels]
+    else:
+        # the options whose verify alone leaves room to pay (an option yields at most its
+        # depth + 1 tokens): of the chains, the shortest and the longest (interpolated
+        # between)
+        can_pay = [o for o in drafter.head_options  # (those within a hybrid's node bound)
+                   if costs.verify(o.nodes) < LINEAR * (o.depth + 1) * costs.verify(1)]
+        chains = [o for o in can_pay if o.chain]
+        measured = chains[:1] + [o for o in can_pay if not o.chain] + chains[1:][-1:]
+    for i, o in enumerate(measured):
         behind = state.drafter.pending() + 1  # (the head has not drafted yet: all of it)
         runs = timed(o, twice=i == 0)
         draft[o.label()] = max(min(runs[1:] or runs) - costs.verify(o.nodes), 0.0)
         if i == 0 and len(runs) > 1:  # the first caught up on every position so far
             catch_up = max(runs[0] - min(runs[1:]), 0.0) / max(behind - o.depth - 1, 1)
     state.drafter.forced = None
+    if labels is not None:
+        return costs, draft, catch_up
     return Costs(verify, draft, catch_up)
 
 

@@ -46,9 +46,11 @@ class EagleModel:
             self.measured = model_costs(self)
         return self.measured
 
-    def adaptive_drafter(self, depth_limit=None):
+    def adaptive_drafter(self, max_kv_size=None):
         """The drafter of `speculate="auto"`: plain, lookup or the head, chosen every cycle
-        (depth_limit: no option deeper than that many levels, the root's included)."""
+        (max_kv_size: the target's caches are bounded to that many positions, so no option
+        is deeper than their window — the 4 first positions aside — and the costs stop
+        growing there)."""
         from .costs import head_options
         from .decoding.adaptive import AdaptiveDrafter
 
@@ -56,7 +58,8 @@ class EagleModel:
         return AdaptiveDrafter(self.costs(), self.target, self.head, head_options(self),
                                self.auto_lookup, head_prior=prior,
                                node_limit=self.target.tree_node_limit(),
-                               depth_limit=depth_limit)
+                               depth_limit=None if max_kv_size is None else max_kv_size - 4,
+                               max_kv_size=max_kv_size)
 
     @property
     def speculates(self) -> bool:

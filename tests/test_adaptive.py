@@ -152,8 +152,8 @@ class Rotating(Controller):
     choice depends only on the past): plain, a lookup chain, the head's chain, its tree,
     merged."""
 
-    def choose(self, match=0, copied=(), pending=0):
-        cands = self.candidates(match, len(copied), pending)
+    def choose(self, match=0, copied=(), pending=0, context=None):
+        cands = self.candidates(match, len(copied), pending, context)
         n = sum(self.counts.values())
         kind = ("plain", "lookup", "head", "merged")[n % 4]
         of_kind = [c for c in cands if c.option.kind == kind] or \
@@ -343,3 +343,129 @@ def test_costs_are_measured_once_and_kept(pair, tmp_path, monkeypatch):
     costs_path(model).write_text("{not json")
     model_costs(model, say=said.append)
     assert len(said) == 4
+
+
+def test_costs_grow_with_the_context_on_the_measured_line():
+    """Costs measured after 12 positions and after 1012 that follow an exact line in the
+    context (a verify pass of n nodes: 2e-3 + 1e-3 n seconds more per position; a drafted
+    level 5e-4): the fitted growth is that line's, and the cost at any length is the line's
+    value, worked out here. A draft window of 100 stops the drafter's growth there."""
+    def verify(n, ctx):
+        return 1.0 + 0.1 * n + (2e-3 + 1e-3 * n) * (ctx - 12)
+
+    def draft(depth, read, base=12):
+        return 0.2 * depth + 5e-4 * depth * (read - base)
+
+    ns = (1, 2, 4, 8, 16)
+    labels = {"head chain 1": 1, "head chain 6": 6, "head tree 16/5/4": 5}
+    for window in (None, 100):
+        far = 1012 if window is None else 100
+        costs = Costs({n: verify(n, 12) for n in ns}, {k: draft(d, 12) for k, d in
+                                                       labels.items()}, at=12,
+                      longer={"at": 1012, "draft_at": far, "draft_window": window,
+                              "verify": {n: verify(n, 1012) for n in (1, 4, 16)},
+                              "draft": {k: draft(d, far) for k, d in labels.items()}})
+        costs = Costs.fromdict(costs.asdict())  # (as kept in the cache)
+        assert costs.grow_fixed == pytest.approx(2e-3) and costs.grow_node == pytest.approx(1e-3)
+        for ctx in (12, 500, 4096, 20000):
+            for n in (1, 3, 16, 32):
+                linear_in_n = 1.0 + 0.1 * n  # (the short curve is exact: a line in n too)
+                assert costs.verify(n, ctx) == pytest.approx(
+                    linear_in_n + (2e-3 + 1e-3 * n) * (ctx - 12))
+            read = ctx if window is None else min(ctx, window)
+            assert costs.draft(head_chain(3), ctx) == pytest.approx(draft(3, read))
+            assert costs.draft(TREE, ctx) == pytest.approx(draft(5, read))
+            assert costs.cycle(head_chain(3), ctx) == pytest.approx(
+                verify(4, ctx) + draft(3, read))
+        assert costs.verify(4) == pytest.approx(verify(4, 12))  # (no length: the short one)
+
+
+def test_the_controller_turns_to_plain_where_the_context_makes_the_head_dear():
+    """A head chain that pays after a short prompt stops paying as the verify pass's nodes
+    grow dearer with the context (a CPU: every node attends to every position): the choice
+    at each length is the option with the most tokens per second there, worked out by hand
+    from the line, and plain beyond the length where none beats it by MARGIN."""
+    short = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4}
+    grow = 1e-3  # seconds per node per position
+    costs = Costs(short, {"head chain 1": 0.05, "head chain 6": 0.3}, at=0,
+                  longer={"at": 1000, "verify": {n: s + grow * n * 1000 for n, s in
+                                                 short.items()},
+                          "draft": {"head chain 1": 0.05, "head chain 6": 0.3}})
+    c = Controller(costs, CHAINS, lookup_p=None, head_prior=0.8)
+
+    def by_hand(ctx):
+        """(the option, whether it is a try): the fastest where it beats plain by MARGIN;
+        else, with no budget saved yet, a try only of a head option that costs nothing
+        beyond plain's rate (and could pay with every token accepted)."""
+        plain = 1.0 / (1.0 + grow * ctx)
+        rates = {}
+        for o in CHAINS:
+            seconds = costs._curve(costs.verify_points, o.nodes) + grow * o.nodes * ctx + \
+                0.05 * o.depth  # (the draft does not grow here)
+            rates[o] = (geometric(0.8, o.depth) / seconds, (o.depth + 1) / seconds)
+        best = max(rates, key=lambda o: rates[o][0])
+        if rates[best][0] >= MARGIN * plain:
+            return best, False
+        tries = [o for o in rates if rates[o][1] >= MARGIN * plain and rates[o][0] >= plain]
+        return (max(tries, key=lambda o: rates[o][0]), True) if tries else (PLAIN, False)
+
+    seen = set()
+    for ctx in (0, 100, 300, 1000, 3000, 10000):
+        choice = c.choose(context=ctx)
+        assert (choice.option, choice.probe) == by_hand(ctx) and choice.context == ctx
+        seen.add((choice.option.kind, choice.probe))
+    assert seen == {("head", False), ("head", True), ("plain", False)}
+
+
+def test_auto_chooses_by_the_cost_at_the_sequence_s_own_length(pair):
+    """Costs whose verify pass grows by 0.2 s per node per position of context (and a
+    short-prompt curve that is flat): after a 2-token prompt the head's chains pay and are
+    drafted; after a 110-token one none could pay even with every token accepted, so every
+    pass is plain — where the same costs without their growth draft after that prompt too.
+    Either way the tokens are plain decoding's."""
+    target, head = pair
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    tok.eos_token_ids = set()
+    model.head.source = model.head.source.replace(held_out_top1=0.9)  # (the prior)
+    flat = {1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04, 16: 1.08}
+    draft = {"head chain 1": 0.01, "head chain 6": 0.06}
+    growing = Costs(flat, draft, at=0, longer={"at": 100, "verify": {
+        n: s + 0.2 * n * 100 for n, s in flat.items()}, "draft": draft})
+    long_prompt = [1] + [(7 * i) % 60 + 3 for i in range(109)]
+    for costs, prompt, head_drafts in ((growing, [1, 5], True), (growing, long_prompt, False),
+                                       (Costs(flat, draft), long_prompt, True)):
+        model.measured = costs
+        plain = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=12,
+                                                      speculate=False) for t in r.tokens]
+        rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=12))
+        assert [t for r in rs for t in r.tokens] == plain
+        drafted = {k for k in rs[-1].passes if k.startswith("head")}
+        assert bool(drafted) == head_drafts, (len(prompt), rs[-1].passes)
+
+
+def test_costs_are_measured_again_after_a_long_prompt(tmp_path, monkeypatch):
+    """A target with room (512 positions) is measured after a short prompt and again after
+    half its context, at the same chain sizes and head options, the growth never negative;
+    a head with a draft window has costs of its own (its growth stops at the window), and a
+    target too short to tell a slope is measured once."""
+    from eagle_mlx.costs import LONG_CONTEXT, MEASURE_PROMPT, costs_path, model_costs
+
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path / "cache"))
+    target = tiny_llama(tmp_path / "t", num_hidden_layers=2, max_position_embeddings=512)
+    head = make_eagle_head(tmp_path / "h", target, "eagle1", seed=1)
+    paths = set()
+    for window in (None, 16):
+        model, _ = eagle_mlx.load(str(target), eagle=str(head), draft_window=window)
+        costs = model_costs(model, say=lambda m: None)
+        paths.add(costs_path(model))
+        long = costs.longer
+        assert costs.at == MEASURE_PROMPT and long["at"] == min(LONG_CONTEXT, 256)
+        assert long["draft_window"] == window and long["draft_at"] == (window or 256)
+        assert set(long["draft"]) == set(costs.draft_costs)
+        assert {n for n, _ in long["verify"]} <= {n for n, _ in costs.verify_points}
+        assert min(costs.grow_fixed, costs.grow_node, costs.grow_level) >= 0
+        assert costs.cycle(PLAIN, 5000) >= costs.cycle(PLAIN, 12)
+    assert len(paths) == 2
+    short = tiny_llama(tmp_path / "s", num_hidden_layers=2, max_position_embeddings=128)
+    model, _ = eagle_mlx.load(str(short), eagle=str(head))
+    assert model_costs(model, say=lambda m: None).longer is None

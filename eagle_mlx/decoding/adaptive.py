@@ -152,23 +152,42 @@ class Costs:
     nodes with nothing to draft (n = 1: a plain step), measured at a few n and interpolated
     (linear beyond the last); `draft` — what the head's proposal adds to the cycle of its
     tree, by option label (chains between the measured ones: linear in the depth);
-    `catch_up` — what the head's catching up costs a position (after cycles without it). The
-    cycles' own timings keep them current: `scale`, the drift of all (throttling, another
-    process), `per_node`, what a node costs beyond the measured curve (a longer context makes
-    a tree's nodes dearer than the measurement's short one did), and per head option a
-    residual, what its measurement missed."""
+    `catch_up` — what the head's catching up costs a position (after cycles without it).
+
+    Both are measured after a short prompt (`at` positions) and, where `longer` is given
+    (`{"at": L, "verify": {...}, "draft": {...}, "draft_at": L', "draft_window": W}`), again
+    after a long one: attention reads every cached position, so a cycle's cost grows
+    linearly with the context, and the cost at the sequence's current length is the line
+    through the two (interpolated, extrapolated beyond). The drafter's own context stops
+    growing at its draft window W (None: none; `draft_at`: the positions it read at the
+    long measurement, min(L, W)).
+
+    The cycles' own timings keep them current: `scale`, the drift of all (throttling,
+    another process), `per_node`, what a node costs beyond the model (lookup chains show it),
+    and per head option a residual, what its measurement missed."""
 
     def __init__(self, verify: Dict[int, float], draft: Optional[Dict[str, float]] = None,
-                 catch_up: float = 0.0):
+                 catch_up: float = 0.0, at: int = 0, longer: Optional[dict] = None):
         self.verify_points = sorted((int(n), float(s)) for n, s in verify.items())
         self.draft_costs = dict(draft or {})
         self.catch_up = catch_up
+        self.at = int(at)
+        self.longer = None
+        if longer is not None and int(longer["at"]) > self.at:
+            window = longer.get("draft_window")
+            self.longer = {"at": int(longer["at"]),
+                           "draft_at": int(longer.get("draft_at", longer["at"])),
+                           "draft_window": None if window is None else int(window),
+                           "verify": sorted((int(n), float(s))
+                                            for n, s in longer["verify"].items()),
+                           "draft": {str(k): float(v) for k, v in longer["draft"].items()}}
+            self._fit()
         self.scale = 1.0
         self.per_node = 0.0
         self.residual: Dict[str, float] = {}
 
-    def verify(self, nodes: int) -> float:
-        pts = self.verify_points
+    @staticmethod
+    def _curve(pts, nodes: int) -> float:
         if len(pts) == 1:
             return pts[0][1] * nodes / pts[0][0]
         for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
@@ -177,33 +196,81 @@ class Costs:
         t = (nodes - n0) / (n1 - n0)
         return max(s0 + t * (s1 - s0), pts[0][1])
 
-    def draft(self, option: Option) -> float:
-        if option.kind in ("plain", "lookup"):
-            return 0.0
+    def _fit(self) -> None:
+        """The growth per position of context, from the two measurements pooled (noise in
+        one option's pair would be multiplied by the length it is extrapolated to): a verify
+        pass of n nodes, `grow_fixed + n * grow_node` (the cached keys read once, and
+        attended by every node); a drafted level, `grow_level` (the drafter reads its context
+        once a level)."""
+        long, span = self.longer, self.longer["at"] - self.at
+        short = dict(self.verify_points)
+        pts = [(n, (s - short[n]) / span) for n, s in long["verify"] if n in short]
+        a, b = 0.0, 0.0
+        if pts:
+            k = len(pts)
+            mn, mg = sum(n for n, _ in pts) / k, sum(g for _, g in pts) / k
+            var = sum((n - mn) ** 2 for n, _ in pts)
+            b = sum((n - mn) * (g - mg) for n, g in pts) / var if var else 0.0
+            a = mg - b * mn
+            if b < 0:  # (growth does not shrink with the nodes: noise)
+                a, b = max(mg, 0.0), 0.0
+            elif a < 0:
+                a, b = 0.0, max(sum(n * g for n, g in pts) / sum(n * n for n, _ in pts), 0.0)
+        self.grow_fixed, self.grow_node = a, b
+        window = long["draft_window"]
+        read = long["draft_at"] - (self.at if window is None else min(self.at, window))
+        pairs = [(Costs._draft(self.draft_costs, o), v, o.depth) for o, v in
+                 ((_parse_label(k), v) for k, v in long["draft"].items()) if o is not None]
+        levels = sum(d for _, _, d in pairs)
+        self.grow_level = max(sum(v - s for s, v, _ in pairs), 0.0) / (levels * read) \
+            if levels and read > 0 else 0.0
+
+    def verify(self, nodes: int, context: Optional[int] = None) -> float:
+        short = self._curve(self.verify_points, nodes)
+        if self.longer is None or context is None or context <= self.at:
+            return short
+        return short + (self.grow_fixed + nodes * self.grow_node) * (context - self.at)
+
+    @staticmethod
+    def _draft(costs: Dict[str, float], option: "Option") -> float:
         label = _head_part(option).label()
-        if label in self.draft_costs:
-            return self.draft_costs[label]
-        chains = sorted((int(k.split()[-1]), v) for k, v in self.draft_costs.items()
+        if label in costs:
+            return costs[label]
+        chains = sorted((int(k.split()[-1]), v) for k, v in costs.items()
                         if k.startswith("head chain "))
-        if not option.chain or not chains:  # (a tree not measured: as the chain of its depth)
-            return self.draft(head_chain(option.depth)) if chains else 0.0
+        if not chains:
+            return 0.0
+        if not option.chain:  # (a tree not measured: as the chain of its depth)
+            return Costs._draft(costs, head_chain(option.depth))
         if len(chains) == 1:
             return chains[0][1] * option.depth / chains[0][0]
         (d0, s0), (d1, s1) = chains[0], chains[-1]
         return max(s0 + (option.depth - d0) * (s1 - s0) / (d1 - d0), 0.0)
 
-    def cycle(self, option: Option) -> float:
-        """Seconds of a cycle with this option, now."""
-        base = self.scale * (self.verify(option.nodes) + self.draft(option)) + \
-            self.per_node * (option.nodes - 1)
-        base = max(base, 0.5 * self.scale * self.verify(1))
+    def draft(self, option: "Option", context: Optional[int] = None) -> float:
+        if option.kind in ("plain", "lookup"):
+            return 0.0
+        short = self._draft(self.draft_costs, option)
+        if self.longer is None or context is None:
+            return short
+        window = self.longer["draft_window"]
+        read = context if window is None else min(context, window)  # (within its window)
+        base = self.at if window is None else min(self.at, window)
+        return short + self.grow_level * option.depth * max(read - base, 0)
+
+    def cycle(self, option: "Option", context: Optional[int] = None) -> float:
+        """Seconds of a cycle with this option, now, `context` positions into the sequence
+        (None: at the short measurement's)."""
+        base = self.scale * (self.verify(option.nodes, context) + self.draft(option, context)) \
+            + self.per_node * (option.nodes - 1)
+        base = max(base, 0.5 * self.scale * self.verify(1, context))
         return base * self.residual.get(option.label(), 1.0)
 
-    def observe(self, option: Option, seconds: float) -> None:
+    def observe(self, option: "Option", seconds: float, context: Optional[int] = None) -> None:
         """A cycle with `option` took `seconds`: a plain pass moves the drift of all options, a
-        lookup chain what each node costs beyond the measured curve (which a longer context
-        raises), a head's option its own residual."""
-        predicted = self.cycle(option)
+        lookup chain what each node costs beyond the model, a head's option its own
+        residual."""
+        predicted = self.cycle(option, context)
         if predicted <= 0 or seconds <= 0:
             return
         ratio = min(max(seconds / predicted, 0.1), 10.0)
@@ -215,7 +282,7 @@ class Costs:
             label = option.label()
             self.residual[label] = self.residual.get(label, 1.0) * ratio ** RESIDUAL_RATE
 
-    def catching_up(self, option: Option, pending: int) -> float:
+    def catching_up(self, option: "Option", pending: int) -> float:
         """Seconds the head takes to catch up before drafting `option`, `pending` positions
         behind (beyond what a cycle of its own leaves it, which its draft cost holds)."""
         if option.kind not in ("head", "merged"):
@@ -223,17 +290,23 @@ class Costs:
         return self.scale * self.catch_up * max(pending - option.depth - 1, 0)
 
     def copy(self) -> "Costs":
-        return Costs(dict(self.verify_points), self.draft_costs, self.catch_up)
+        return Costs.fromdict(self.asdict())
 
     def asdict(self) -> dict:
-        return {"verify": {str(n): s for n, s in self.verify_points},
-                "draft": dict(self.draft_costs), "catch_up": self.catch_up}
+        out = {"verify": {str(n): s for n, s in self.verify_points},
+               "draft": dict(self.draft_costs), "catch_up": self.catch_up, "at": self.at}
+        if self.longer is not None:
+            out["longer"] = {"at": self.longer["at"], "draft_at": self.longer["draft_at"],
+                             "draft_window": self.longer["draft_window"],
+                             "verify": {str(n): s for n, s in self.longer["verify"]},
+                             "draft": dict(self.longer["draft"])}
+        return out
 
     @classmethod
     def fromdict(cls, d: dict) -> "Costs":
         return cls({int(n): float(s) for n, s in d["verify"].items()},
                    {str(k): float(v) for k, v in d.get("draft", {}).items()},
-                   float(d.get("catch_up", 0.0)))
+                   float(d.get("catch_up", 0.0)), int(d.get("at", 0)), d.get("longer"))
 
 
 @dataclass
@@ -247,6 +320,7 @@ class Choice:
     copied: List[int] = field(default_factory=list)  # the lookup tokens it may draft
     probe: bool = False          # a try of a head option that did not pay
     catch_up: float = 0.0        # of `seconds`, the head's catching up
+    context: Optional[int] = None  # the positions before the cycle (None: not known)
 
     @property
     def rate(self) -> float:
@@ -297,36 +371,41 @@ class Controller:
         look += [0.0] * (len(head) - len(look))
         return 1.0 + sum(1 - (1 - h) * (1 - lk) for h, lk in zip(head, look))
 
-    def candidates(self, match: int, available: int, pending: int = 0) -> List[Choice]:
-        out = [Choice(PLAIN, 1.0, self.costs.cycle(PLAIN))]
+    def candidates(self, match: int, available: int, pending: int = 0,
+                   context: Optional[int] = None) -> List[Choice]:
+        cost = self.costs.cycle
+        out = [Choice(PLAIN, 1.0, cost(PLAIN, context), context=context)]
         if self.lookup and available > 0:
             for n in LOOKUP_CHAINS:
                 if n > self.max_lookup:
                     break
                 o = lookup_chain(min(n, available))
-                out.append(Choice(o, self.expect(o, match, available), self.costs.cycle(o),
-                                  match))
+                out.append(Choice(o, self.expect(o, match, available), cost(o, context),
+                                  match, context=context))
                 if n >= available:
                     break
         for o in self.head_options:
             catch = self.costs.catching_up(o, pending)
-            out.append(Choice(o, self.expect(o), self.costs.cycle(o) + catch,
-                              catch_up=catch))
+            out.append(Choice(o, self.expect(o), cost(o, context) + catch,
+                              catch_up=catch, context=context))
             if self.lookup and available > 0 and not o.chain:
                 m = Option("merged", o.nodes, o.depth, o.top_k)
                 # (the lookup branch takes some of the tree's nodes: costed as the tree)
                 out.append(Choice(m, self.expect(m, match, available),
-                                  self.costs.cycle(o) + catch, match, catch_up=catch))
+                                  cost(o, context) + catch, match, catch_up=catch,
+                                  context=context))
         return out
 
     # ---------------------------------------------------------------- choosing
-    def choose(self, match: int = 0, copied: Sequence[int] = (), pending: int = 0) -> Choice:
+    def choose(self, match: int = 0, copied: Sequence[int] = (), pending: int = 0,
+               context: Optional[int] = None) -> Choice:
         """The option for the next cycle (match, copied: the lookup match at the context's
         end and the tokens that followed it before, none: no match; pending: the positions
-        the head has to catch up on): the highest expected tokens per second where it beats
-        plain decoding by MARGIN, or a try of the head's best option where the budget
-        allows and it could pay at all."""
-        cands = self.candidates(match, len(copied), pending)
+        the head has to catch up on; context: the positions the sequence holds, which the
+        costs grow with): the highest expected tokens per second where it beats plain
+        decoding by MARGIN, or a try of the head's best option where the budget allows and
+        it could pay at all."""
+        cands = self.candidates(match, len(copied), pending, context)
         plain = cands[0]
         best = max(cands, key=lambda c: c.rate)
         if best.rate < MARGIN * plain.rate:
@@ -347,12 +426,14 @@ class Controller:
             best.copied = list(copied)
         return best
 
-    def plain_whatever(self, matches: Sequence[int], available: int, pending: int) -> bool:
+    def plain_whatever(self, matches: Sequence[int], available: int, pending: int,
+                       context: Optional[int] = None) -> bool:
         """Whether no option but plain decoding beats it by MARGIN at any of these lookup
-        match lengths (with `available` tokens to copy) and `pending` positions for the head
-        to catch up on (tries of the head aside: `choose` makes them)."""
+        match lengths (with `available` tokens to copy), `pending` positions for the head
+        to catch up on and `context` positions (tries of the head aside: `choose` makes
+        them)."""
         for m in matches:
-            cands = self.candidates(m, available if m else 0, pending)
+            cands = self.candidates(m, available if m else 0, pending, context)
             if any(c.rate >= MARGIN * cands[0].rate for c in cands[1:]):
                 return False
         return True
@@ -364,7 +445,7 @@ class Controller:
         o, n = choice.option, len(accepted)
         self.counts[o.kind] = self.counts.get(o.kind, 0) + 1
         if seconds is not None:
-            self.costs.observe(o, seconds - choice.catch_up)
+            self.costs.observe(o, seconds - choice.catch_up, choice.context)
         spent = choice.seconds if seconds is None else seconds
         self.budget += EXPLORE * spent
         if choice.probe and seconds is not None:  # a try that cost more than expected (a
@@ -410,10 +491,12 @@ class AdaptiveDrafter(Drafter):
     def __init__(self, costs: Costs, target=None, head=None,
                  head_options: Sequence[Option] = (), lookup: Optional[LookupSettings] = None,
                  head_prior: Optional[float] = None, node_limit: Optional[int] = None,
-                 depth_limit: Optional[int] = None):
+                 depth_limit: Optional[int] = None, max_kv_size: Optional[int] = None):
         """node_limit: the most nodes a tree may have; depth_limit: the most levels, the
-        root's included (a bounded cache's window)."""
+        root's included (a bounded cache's window); max_kv_size: the most positions the
+        target's caches hold (a bounded cache: its cost stops growing there)."""
         self.costs, self.target, self.head = costs, target, head
+        self.max_kv_size = max_kv_size
         limit = node_limit or MAX_NODES
         deepest = depth_limit or MAX_NODES
         self.head_options = [o for o in head_options if o.nodes <= limit and o.depth < deepest]
@@ -494,7 +577,7 @@ class AdaptiveDrafter(Drafter):
             choice, state.decided = state.decided, None
         elif state.forced is None:
             pending = state.pending() + int(tokens.shape[0]) if self.head is not None else 0
-            choice = state.controller.choose(match, copied, pending)
+            choice = state.controller.choose(match, copied, pending, self._context(state))
         else:  # (a lookup chain without a match drafts the root's token again)
             o = state.forced
             copied = (copied + [int(root.item())] * o.depth)[: o.depth]
@@ -537,10 +620,17 @@ class AdaptiveDrafter(Drafter):
             now = a.length[a.link[a.last]] if a.last else 0
             if now >= self.lookup.settings.min_match:
                 matches.append(now)
-        if not c.plain_whatever(matches, self.max_lookup, pending):
+        context = self._context(state, 1)
+        if not c.plain_whatever(matches, self.max_lookup, pending, context):
             return False
-        state.decided = c.choose(0, (), pending)  # (plain, or a try of the head)
+        state.decided = c.choose(0, (), pending, context)  # (plain, or a try of the head)
         return state.decided.option == PLAIN
+
+    def _context(self, state, ahead: int = 0) -> int:
+        """The positions the target's caches hold at the next verify pass (`ahead`: the
+        tokens it has yet to see), within a bounded cache's."""
+        n = len(state.lookup.automaton.tokens) + ahead
+        return n if self.max_kv_size is None else min(n, self.max_kv_size)
 
     def observe(self, state, accepted: List[int], seconds: Optional[float]) -> None:
         state.seconds = seconds
@@ -552,6 +642,20 @@ class AdaptiveDrafter(Drafter):
 
 
 MAX_NODES = 1024
+
+
+def _parse_label(label: str) -> Optional[Option]:
+    """The head option a label names ("head chain 3", "head tree 16/5/4"; None: another)."""
+    parts = label.split()
+    try:
+        if parts[:2] == ["head", "chain"]:
+            return head_chain(int(parts[2]))
+        if parts[:2] == ["head", "tree"]:
+            nodes, depth, k = (int(x) for x in parts[2].split("/"))
+            return Option("head", nodes, depth, k)
+    except (IndexError, ValueError):
+        pass
+    return None
 
 
 def _head_part(o: Option) -> Option:
