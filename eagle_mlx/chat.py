@@ -118,7 +118,7 @@ class Chat:
             print("no reply yet")
             return
         print("last reply:")
-        print_stats(self.last, costs=self.model.measured)
+        print_stats(self.last, costs=self.model.costs_in_use(self.settings.kv))
         s = self.session
         print(f"session: {s['replies']} replies, {s['tokens']} tokens, "
               f"{s['forwards']} target forwards, {len(self.turns) // 2} turns in history")

@@ -345,7 +345,7 @@ def describe_costs(model, settings) -> Optional[str]:
             getattr(settings, k) is not None for k in
             ("total_tokens", "depth", "draft_top_k", "tree_choices")):
         return None
-    costs = model.costs()
+    costs = model.costs(settings.kv)
     verify = ", ".join(f"{n} {s * 1e3:.1f}" for n, s in costs.verify_points)
     draft = ", ".join(f"{k} +{s * 1e3:.1f}" for k, s in costs.draft_costs.items())
     text = f"costs, ms a pass by nodes: {verify}" + (f"; drafting: {draft}" if draft else "")

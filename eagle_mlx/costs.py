@@ -35,31 +35,34 @@ LINEAR = 0.9                          # cost(n) >= LINEAR * n * cost(1) from n =
 #                                       n cannot pay (2 alone is too noisy to tell)
 
 
-def costs_path(model) -> Path:
+def costs_path(model, kv=None) -> Path:
+    """The cache file of the model's costs (kv: with its caches quantized so)."""
     from .tuning import _key, entry_path
 
     key = dict(_key(model.head_path, model.target.path, model.target.dtype),
                version=COSTS_VERSION)
+    if kv is not None:  # (quantized attention costs otherwise)
+        key.update(kv_bits=kv.bits, kv_group_size=kv.group_size)
     if draft_window(model.head) is not None:  # (a windowed head's draft cost stops growing)
         key["draft_window"] = draft_window(model.head)
     return entry_path(user_cache("costs"), key)
 
 
-def read_costs(model):
+def read_costs(model, kv=None):
     """The cached costs of this model on this machine (None: none, or unreadable)."""
     from .decoding.adaptive import Costs
 
-    f = costs_path(model)
+    f = costs_path(model, kv)
     try:
         return Costs.fromdict(json.loads(f.read_text())["costs"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # absent or damaged: measured again
 
 
-def write_costs(model, costs) -> Path:
+def write_costs(model, costs, kv=None) -> Path:
     from .tuning import write_entry
 
-    return write_entry(costs_path(model), {"costs": costs.asdict(),
+    return write_entry(costs_path(model, kv), {"costs": costs.asdict(),
                                            "measured": time.strftime("%Y-%m-%d %H:%M")})
 
 
@@ -96,18 +99,23 @@ def long_context(target) -> int:
     return n if n >= MIN_LONG_CONTEXT else 0
 
 
-def measure(model, options: Sequence):
+def measure(model, options: Sequence, kv=None):
     """Time cycles of each option on this machine, after a short prompt and again after a
-    long one (see the module docstring)."""
+    long one (see the module docstring; kv: a KVQuantization, the caches quantized from the
+    start)."""
     from .decoding.adaptive import Costs
 
-    short = _measure_at(model, options, MEASURE_PROMPT)
+    if kv is not None:
+        from dataclasses import replace
+
+        kv = replace(kv, start=0)
+    short = _measure_at(model, options, MEASURE_PROMPT, kv=kv)
     longer, at = None, long_context(model.target)
     if at:
         ns = [n for n, _ in short.verify_points]  # (the first, a middle and the last: a line)
         verify, draft, _ = _measure_at(model, options, at,
                                        points=sorted({ns[0], ns[len(ns) // 2], ns[-1]}),
-                                       labels=set(short.draft_costs))
+                                       labels=set(short.draft_costs), kv=kv)
         window = draft_window(model.head)
         longer = {"at": at, "draft_at": at if window is None else min(at, window),
                   "draft_window": window,
@@ -116,7 +124,8 @@ def measure(model, options: Sequence):
                  MEASURE_PROMPT, longer)
 
 
-def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=None):
+def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=None,
+                kv=None):
     """The costs after a prompt of `prompt_len` tokens: the chains of nothing drafted at
     VERIFY_POINTS (`points`: at these), then the head's options whose verify leaves room to
     pay (`labels`: those). Returns Costs (short) or (Costs, draft, catch_up) (long)."""
@@ -129,7 +138,8 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
     target = model.target
     drafter = AdaptiveDrafter(Costs({1: 1.0}), target, model.head, options, LookupSettings(),
                               node_limit=target.tree_node_limit())
-    engine = Engine(target, drafter, SamplingParams(), target.max_context, pipeline=True)
+    engine = Engine(target, drafter, SamplingParams(), target.max_context, pipeline=True,
+                    kv=kv)
     state = engine.new_state()
     V = target.vocab_size
     prompt = [(7 + 7919 * i) % V for i in range(prompt_len)]
@@ -202,15 +212,18 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
 
 
 def model_costs(model, refresh: bool = False,
-                say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)):
+                say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+                kv=None):
     """The model's costs on this machine: from the cache, else measured now (a few seconds,
-    announced in one line) and cached. refresh: measure again."""
-    costs = None if refresh else read_costs(model)
+    announced in one line) and cached. refresh: measure again; kv: with the caches quantized
+    so (a KVQuantization)."""
+    costs = None if refresh else read_costs(model, kv)
     if costs is None:
-        say("eagle_mlx: measuring this machine's speculation costs for this model "
+        packed = "" if kv is None else f" with {kv.bits}-bit KV caches"
+        say(f"eagle_mlx: measuring this machine's speculation costs for this model{packed} "
             f"(once; kept in {user_cache('costs')}) ...")
         start = time.perf_counter()
-        costs = measure(model, head_options(model))
-        write_costs(model, costs)
+        costs = measure(model, head_options(model), kv)
+        write_costs(model, costs, kv)
         say(f"eagle_mlx: measured in {time.perf_counter() - start:.1f} s.")
     return costs

@@ -76,7 +76,7 @@ def _main(argv) -> int:
     except EagleError as e:
         raise UsageError(str(e)) from None
     print()
-    print_stats(last, costs=model.measured)
+    print_stats(last, costs=model.costs_in_use(settings.kv))
     warning = acceptance_warning(model, last, settings.temp)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)

@@ -37,20 +37,36 @@ class EagleModel:
     # LookupSettings: prompt lookup among adaptive speculation's options (None: not)
     auto_lookup: Optional[object] = None
     measured: Optional[object] = field(default=None, repr=False)  # the machine's costs
+    # ... with quantized KV caches, by (bits, group size)
+    measured_kv: dict = field(default_factory=dict, repr=False)
 
-    def costs(self):
-        """This machine's costs for adaptive speculation (measured at first use, cached)."""
+    def costs(self, kv=None):
+        """This machine's costs for adaptive speculation (measured at first use, cached;
+        kv: a KVQuantization, with the caches quantized so)."""
+        from .costs import model_costs
+
+        if kv is not None:
+            key = (kv.bits, kv.group_size)
+            if key not in self.measured_kv:
+                self.measured_kv[key] = model_costs(self, kv=kv)
+            return self.measured_kv[key]
         if self.measured is None:
-            from .costs import model_costs
-
             self.measured = model_costs(self)
         return self.measured
 
-    def adaptive_drafter(self, max_kv_size=None):
+    def costs_in_use(self, kv=None):
+        """The costs adaptive speculation took last (kv: with those quantized caches), as
+        measured; None where none were."""
+        if kv is not None and (kv.bits, kv.group_size) in self.measured_kv:
+            return self.measured_kv[(kv.bits, kv.group_size)]
+        return self.measured
+
+    def adaptive_drafter(self, max_kv_size=None, kv=None):
         """The drafter of `speculate="auto"`: plain, lookup or the head, chosen every cycle
         (max_kv_size: the target's caches are bounded to that many positions, so no option
         is deeper than their window — the 4 first positions aside — and the costs stop
-        growing there)."""
+        growing there; kv: the caches are quantized from `kv.start` on, and the costs
+        measured so are taken from there)."""
         from .costs import head_options
         from .decoding.adaptive import AdaptiveDrafter
 
@@ -59,7 +75,8 @@ class EagleModel:
                                self.auto_lookup, head_prior=prior,
                                node_limit=self.target.tree_node_limit(),
                                depth_limit=None if max_kv_size is None else max_kv_size - 4,
-                               max_kv_size=max_kv_size)
+                               max_kv_size=max_kv_size,
+                               kv_costs=None if kv is None else (self.costs(kv), kv.start))
 
     @property
     def speculates(self) -> bool:

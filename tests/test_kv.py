@@ -374,3 +374,41 @@ def test_a_windowed_heads_batch_rows_are_their_runs_alone(pairs):
         alone = [fresh(model, tok, p, settings=s) for p in prompts]
         res = eagle_mlx.batch_generate(model, tok, prompts, settings=[s] * 3)
         assert [r.tokens for r in res.results] == alone, s
+
+
+def test_auto_under_kv_bits_takes_the_quantized_costs_from_the_switch_on(pairs, tmp_path,
+                                                                        monkeypatch):
+    """With kv_bits, the costs measured with quantized caches (kept apart from the float
+    ones, said in their own line) are the choices' from quantized_kv_start on: float costs
+    where the head pays, quantized ones where nothing does — the head drafts before the
+    switch and never after it; the tokens are plain decoding's with the same caches."""
+    from eagle_mlx.costs import costs_path, model_costs
+    from eagle_mlx.decoding.adaptive import Costs
+
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path))
+    target, head = pairs["llama"]
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    tok.eos_token_ids = set()
+    kv = KVQuantization(8, 32, 0)
+    said = []
+    measured = model_costs(model, say=said.append, kv=kv)
+    assert "8-bit KV caches" in said[0] and costs_path(model, kv) != costs_path(model)
+    assert costs_path(model, kv).is_file() and measured.verify_points[0][1] > 0
+    model.head.source = model.head.source.replace(held_out_top1=0.9)
+    model.measured = Costs({1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04, 16: 1.08},
+                           {"head chain 1": 0.01, "head chain 6": 0.06})
+    model.measured_kv[(8, 32)] = Costs({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0},
+                                       {"head chain 1": 0.5, "head chain 6": 3.0})
+    prompt = [1, 5, 9, 13]
+    settings = dict(max_tokens=40, kv_bits=8, kv_group_size=32, quantized_kv_start=20)
+    plain = [t for r in eagle_mlx.stream_generate(model, tok, prompt, speculate=False,
+                                                  **settings) for t in r.tokens]
+    seen, n = [], len(prompt)
+    for r in eagle_mlx.stream_generate(model, tok, prompt, **settings):
+        seen.append((n, r.tokens, dict(r.passes)))
+        n += len(r.tokens)
+    assert [t for _, ts, _ in seen for t in ts] == plain
+    heads = [(at, p) for (at, _, p), (_, _, before) in zip(seen[1:], seen) if
+             sum(v for k, v in p.items() if k.startswith("head")) >
+             sum(v for k, v in before.items() if k.startswith("head"))]
+    assert heads and all(at <= 20 for at, _ in heads), seen

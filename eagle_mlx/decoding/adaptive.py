@@ -348,6 +348,7 @@ class Controller:
                       if not o.chain}
         self.lookup_acc = LookupAcceptance(lookup_p or (lambda m: 0.0), keys=lookup_keys)
         self.budget = 0.0  # seconds of exploration allowed now
+        self.packed = False  # whether `costs` are those of quantized caches
         self.counts: Dict[str, int] = {}  # cycles by option kind
 
     # ---------------------------------------------------------------- estimates
@@ -491,12 +492,16 @@ class AdaptiveDrafter(Drafter):
     def __init__(self, costs: Costs, target=None, head=None,
                  head_options: Sequence[Option] = (), lookup: Optional[LookupSettings] = None,
                  head_prior: Optional[float] = None, node_limit: Optional[int] = None,
-                 depth_limit: Optional[int] = None, max_kv_size: Optional[int] = None):
+                 depth_limit: Optional[int] = None, max_kv_size: Optional[int] = None,
+                 kv_costs: Optional[tuple] = None):
         """node_limit: the most nodes a tree may have; depth_limit: the most levels, the
         root's included (a bounded cache's window); max_kv_size: the most positions the
-        target's caches hold (a bounded cache: its cost stops growing there)."""
+        target's caches hold (a bounded cache: its cost stops growing there); kv_costs:
+        (the costs with quantized caches, the position from which the caches are
+        quantized), which a sequence's choices take from there on."""
         self.costs, self.target, self.head = costs, target, head
         self.max_kv_size = max_kv_size
+        self.kv_costs = kv_costs
         limit = node_limit or MAX_NODES
         deepest = depth_limit or MAX_NODES
         self.head_options = [o for o in head_options if o.nodes <= limit and o.depth < deepest]
@@ -577,7 +582,9 @@ class AdaptiveDrafter(Drafter):
             choice, state.decided = state.decided, None
         elif state.forced is None:
             pending = state.pending() + int(tokens.shape[0]) if self.head is not None else 0
-            choice = state.controller.choose(match, copied, pending, self._context(state))
+            context = self._context(state)
+            self._packed(state, context)
+            choice = state.controller.choose(match, copied, pending, context)
         else:  # (a lookup chain without a match drafts the root's token again)
             o = state.forced
             copied = (copied + [int(root.item())] * o.depth)[: o.depth]
@@ -621,10 +628,18 @@ class AdaptiveDrafter(Drafter):
             if now >= self.lookup.settings.min_match:
                 matches.append(now)
         context = self._context(state, 1)
+        self._packed(state, context)
         if not c.plain_whatever(matches, self.max_lookup, pending, context):
             return False
         state.decided = c.choose(0, (), pending, context)  # (plain, or a try of the head)
         return state.decided.option == PLAIN
+
+    def _packed(self, state, context: int) -> None:
+        """From the position where the caches are quantized on, the costs measured so (the
+        drift followed so far starts over with them)."""
+        c = state.controller
+        if self.kv_costs is not None and context >= self.kv_costs[1] and not c.packed:
+            c.costs, c.packed = self.kv_costs[0].copy(), True
 
     def _context(self, state, ahead: int = 0) -> int:
         """The positions the target's caches hold at the next verify pass (`ahead`: the
