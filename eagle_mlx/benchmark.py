@@ -162,14 +162,16 @@ def heap_tree(k: int):
     return mx.array(anc), mx.array(anc.sum(1) - 1)
 
 
-def cost_curves(model, prefix_len, sizes, reps=5):
-    """Seconds for one target forward over k tree tokens after `prefix_len` cached tokens,
-    and for one head step over k frontier nodes."""
+def cost_curves(model, prefix_len, sizes, reps=5, kv=None):
+    """Seconds for one target forward over k tree tokens after `prefix_len` cached tokens
+    (quantized as `kv`, a KVQuantization, says, where it says so at that length), and for
+    one head step over k frontier nodes."""
     target, head = model.target, model.head
     prefix = mx.array([list(range(3, 3 + prefix_len))]) % target.vocab_size
     cache = target.make_cache()
     hidden, _ = target(prefix, cache)
     mx.eval(hidden)
+    target.quantize(cache, kv)
     taps = head.feature_taps(target) if head is not None else ()
     verify, draft = {}, {}
     for k in sizes:
@@ -407,6 +409,22 @@ def build_parser():
                         "interleaved on every prompt: tokens/s, tau, what it chose and whether "
                         "the text is plain decoding's, per dataset (default datasets: mt-bench "
                         "humaneval edit); no tree is tuned")
+    p.add_argument("--context", nargs="+", default=None, metavar="LENGTH",
+                   help="measure at these context lengths (1k 4k 16k, or positions): prompts "
+                        "made that long with real text (ShareGPT history before MT-bench "
+                        "questions, HumanEval files before a function to complete), each "
+                        "decoded plainly, with the head's tree and with adaptive speculation; "
+                        "tokens/s, tau, prefill, peak memory and the cost curves at each "
+                        "length; no tree is tuned")
+    p.add_argument("--kv-bits", type=int, default=None,
+                   help="with --context: every length is measured again with the KV cache "
+                        "quantized to this many bits (2, 3, 4, 5, 6 or 8)")
+    p.add_argument("--kv-group-size", type=int, default=None,
+                   help="with --kv-bits: the quantization's group size (32, 64 or 128; "
+                        "default 64)")
+    p.add_argument("--quantized-kv-start", type=int, default=None,
+                   help="with --kv-bits: quantize once the cache holds this many positions "
+                        "(default 0 here: from the prompt's start)")
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="eagle_benchmark.json", help="JSON report")
@@ -438,6 +456,28 @@ def check_args(args):
     if args.batch_sizes is not None and not all(1 <= b <= 64 for b in args.batch_sizes):
         raise UsageError(f"--batch-sizes must be from 1 to 64 (got {args.batch_sizes}).")
     trees = parse_trees(args.trees)
+    if args.context is not None:
+        from .context_bench import parse_length
+
+        args.context = [parse_length(x) for x in args.context]
+        for flag in ("auto", "save_tuning", "batch_sizes", "draft_vocabs", "lookup"):
+            if getattr(args, flag, None):
+                raise UsageError(f"--context measures on its own; {flag_name(flag)} does not "
+                                 "apply with it.")
+    kv = {k: getattr(args, k) for k in ("kv_bits", "kv_group_size", "quantized_kv_start")}
+    if args.context is None and any(v is not None for v in kv.values()):
+        raise UsageError("--kv-bits, --kv-group-size and --quantized-kv-start apply with "
+                         "--context.")
+    if args.kv_bits is None and (args.kv_group_size, args.quantized_kv_start) != (None, None):
+        raise UsageError("--kv-group-size and --quantized-kv-start apply to a quantized KV "
+                         "cache; give --kv-bits too.")
+    if args.kv_bits is not None:
+        try:
+            GenerationSettings(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size or 64,
+                               quantized_kv_start=args.quantized_kv_start or 0
+                               ).check(name=flag_name)
+        except EagleError as e:
+            raise UsageError(str(e)) from None
     if args.draft_vocabs is not None and any(n < 0 for n in args.draft_vocabs):
         raise UsageError(f"--draft-vocabs must be 0 (the whole vocabulary) or positive sizes "
                          f"(got {args.draft_vocabs}).")
@@ -705,15 +745,23 @@ def _main(argv):
         output = check_out_file(args.output, "--output")
         plot_path = check_out_file(args.plot if args.plot else output.with_suffix(".png"),
                                    "--plot")
-    if importlib.util.find_spec("matplotlib") is None and not args.auto:  # before measuring
+    if importlib.util.find_spec("matplotlib") is None and not args.auto and \
+            args.context is None:  # (before measuring)
         raise EagleError("the benchmark draws its plot with matplotlib, which is not installed; "
                          "pip install matplotlib.")
-    if args.model is not None and args.eagle is None and not args.lookup and not args.auto:
+    if args.model is not None and args.eagle is None and not args.lookup and not args.auto \
+            and args.context is None:
         raise UsageError("the benchmark compares EAGLE (or, with --lookup, prompt lookup) with "
                          "plain decoding: give --eagle or --lookup.")
     if args.datasets is None:
         args.datasets = ["mt-bench", "humaneval"] + (["edit"] if args.lookup or args.auto
                                                      else [])
+    if args.context is not None:
+        if args.prompts:
+            raise UsageError("--context makes its own long prompts from the datasets; "
+                             "--prompts does not apply with it.")
+        args.datasets = [d for d in args.datasets if d != "edit"] or ["mt-bench", "humaneval"]
+        return _context_main(args, output)
     prompts = load_prompts(args.datasets, args.num_prompts, args.prompts)  # before the model
     model, tokenizer = load_from_args(args)
     encoded = [(src, chat_prompt(tokenizer, [{"role": "user", "content": text}],
@@ -766,6 +814,38 @@ def _main(argv):
     _print_choice(choice)
     if writes:
         write(report, output, plot_path, args, model)
+    return 0
+
+
+def _context_main(args, output) -> int:
+    """`--context`: the long-context report (`context_bench`), written as JSON."""
+    from .context_bench import context_report
+    from .decoding.plan import check_kv
+    from .distributed import group, rank
+
+    for spec in ([MTBENCH] if "mt-bench" in args.datasets else []) + \
+            ([HUMANEVAL] if "humaneval" in args.datasets else []):
+        _package_file(spec)  # (before the model loads)
+    if "mt-bench" in args.datasets:
+        from .training.data import sharegpt_path
+
+        sharegpt_path()
+    model, tokenizer = load_from_args(args)
+    target = model.target
+    for n in args.context:
+        if n + args.max_tokens + 16 > target.max_context:
+            raise UsageError(f"--context {n} with --max-tokens {args.max_tokens} exceeds the "
+                             f"model's context of {target.max_context} tokens.")
+    if args.kv_bits is not None:
+        from .decoding.settings import KVQuantization
+
+        try:
+            check_kv(model, KVQuantization(args.kv_bits, args.kv_group_size or 64, 0))
+        except EagleError as e:
+            raise UsageError(str(e)) from None
+    report = context_report(model, tokenizer, args, args.context)
+    if rank(group()) == 0:
+        atomic_file(output, lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
     return 0
 
 

@@ -469,3 +469,4 @@ def test_costs_are_measured_again_after_a_long_prompt(tmp_path, monkeypatch):
     short = tiny_llama(tmp_path / "s", num_hidden_layers=2, max_position_embeddings=128)
     model, _ = eagle_mlx.load(str(short), eagle=str(head))
     assert model_costs(model, say=lambda m: None).longer is None
+
