@@ -11,9 +11,10 @@ the ones the controller reads afterwards (from the cycle's draft to its one sync
 include the host's work as generating pays it.
 
 Attention reads every cached position, so the same cycles are timed again after a long
-prompt (LONG_CONTEXT positions, or half the model's context): the controller takes each
-option's cost on the line through the two, at the sequence's current length (the
-drafter's within its draft window).
+prompt (LONG_CONTEXT positions, or half the model's context, or what a prefill of about
+LONG_PREFILL seconds reaches): the controller takes each option's cost at the sequence's
+current length from the growth fitted over the two (the drafter's within its draft
+window).
 """
 
 import json
@@ -30,6 +31,7 @@ VERIFY_POINTS = (1, 2, 4, 8, 16)      # chain nodes measured (interpolated betwe
 MEASURE_PROMPT = 12                   # prompt tokens prefilled before measuring
 LONG_CONTEXT = 1024                   # ... before measuring again (the costs' growth)
 MIN_LONG_CONTEXT = 128                # a model whose context is shorter: measured once
+LONG_PREFILL = 4.0                    # seconds the long prompt's prefill may take, about
 SLOW_CYCLE = 0.25                     # seconds: a cycle this slow is timed once, not twice
 LINEAR = 0.9                          # cost(n) >= LINEAR * n * cost(1) from n = 4 on: larger
 #                                       n cannot pay (2 alone is too noisy to tell)
@@ -92,10 +94,16 @@ def draft_window(head) -> Optional[int]:
     return window if window is not None else getattr(args, "draft_window", None)
 
 
-def long_context(target) -> int:
+def long_context(target, short=None) -> int:
     """Where the second measurement is taken: LONG_CONTEXT positions, or half the model's
-    context where that is shorter (0: too short to tell a slope from noise)."""
+    context where that is shorter, or as many as a prefill of LONG_PREFILL seconds reaches
+    at the rate of the largest chain measured (`short`: the first measurement; a CPU whose
+    passes cost as many plain ones as they hold tokens gets a short one); 0: too short to
+    tell a slope from noise."""
     n = min(LONG_CONTEXT, target.max_context // 2)
+    if short is not None:
+        nodes, seconds = short.verify_points[-1]
+        n = min(n, int(LONG_PREFILL * nodes / max(seconds, 1e-9)))
     return n if n >= MIN_LONG_CONTEXT else 0
 
 
@@ -110,7 +118,7 @@ def measure(model, options: Sequence, kv=None):
 
         kv = replace(kv, start=0)
     short = _measure_at(model, options, MEASURE_PROMPT, kv=kv)
-    longer, at = None, long_context(model.target)
+    longer, at = None, long_context(model.target, short)
     if at:
         ns = [n for n, _ in short.verify_points]  # (the first, a middle and the last: a line)
         verify, draft, _ = _measure_at(model, options, at,

@@ -470,3 +470,21 @@ def test_costs_are_measured_again_after_a_long_prompt(tmp_path, monkeypatch):
     model, _ = eagle_mlx.load(str(short), eagle=str(head))
     assert model_costs(model, say=lambda m: None).longer is None
 
+
+
+def test_the_long_measurement_fits_a_short_prefill():
+    """The second measurement's prompt: 1024 positions, half the context where that is
+    shorter, and where passes are slow (a CPU's reference BLAS: 4 tokens in 0.2 s), what
+    about LONG_PREFILL seconds of prefill reach at the largest chain's rate — none below
+    MIN_LONG_CONTEXT."""
+    from types import SimpleNamespace
+
+    from eagle_mlx.costs import LONG_PREFILL, MIN_LONG_CONTEXT, long_context
+
+    roomy, short = SimpleNamespace(max_context=32768), SimpleNamespace(max_context=600)
+    assert long_context(roomy) == 1024 and long_context(short) == 300
+    assert long_context(roomy, Costs({1: 0.001, 16: 0.004})) == 1024
+    rate = 16 / 0.25  # tokens a second at the 16-node chain's pace
+    assert long_context(roomy, Costs({1: 0.02, 16: 0.25})) == int(LONG_PREFILL * rate)
+    slow = Costs({1: 0.05, 2: 0.1, 4: 0.2})
+    assert LONG_PREFILL * 4 / 0.2 < MIN_LONG_CONTEXT and long_context(roomy, slow) == 0
