@@ -162,16 +162,19 @@ def heap_tree(k: int):
     return mx.array(anc), mx.array(anc.sum(1) - 1)
 
 
-def cost_curves(model, prefix_len, sizes, reps=5, kv=None):
+def cost_curves(model, prefix_len, sizes, reps=5, kv=None, info=None):
     """Seconds for one target forward over k tree tokens after `prefix_len` cached tokens
     (quantized as `kv`, a KVQuantization, says, where it says so at that length), and for
-    one head step over k frontier nodes."""
+    one head step over k frontier nodes. info: a dict that receives the bytes the target's
+    caches hold after the prefix ("kv_bytes")."""
     target, head = model.target, model.head
     prefix = mx.array([list(range(3, 3 + prefix_len))]) % target.vocab_size
     cache = target.make_cache()
     hidden, _ = target(prefix, cache)
     mx.eval(hidden)
     target.quantize(cache, kv)
+    if info is not None:
+        info["kv_bytes"] = sum(int(getattr(c, "nbytes", 0)) for c in cache)
     taps = head.feature_taps(target) if head is not None else ()
     verify, draft = {}, {}
     for k in sizes:

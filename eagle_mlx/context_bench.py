@@ -8,7 +8,7 @@ with the head's tree and with adaptive speculation (interleaved, each first by t
 float KV caches and, with `--kv-bits`, quantized ones; per length and cache: tokens/s of
 each (from the prefill's token on) and their ratio to plain decoding's, tau, prefill
 tokens/s, peak memory, whether the text is plain decoding's (greedy), what auto chose; and
-the cost curves at that length — one verify pass over k tree tokens against one token
+the KV cache's size and the cost curves at that length — one verify pass over k tree tokens against one token
 (measured, and as the adaptive controller models it at that length from its two
 measurements), and the drafter's step over k nodes.
 """
@@ -150,9 +150,10 @@ def context_costs(model, length: int, kv: Optional[KVQuantization], sizes=SIZES)
     them the adaptive controller's t(k)/t(1) at that length."""
     from .benchmark import cost_curves
 
-    verify, draft = cost_curves(model, length, sizes, reps=3, kv=kv)
+    info = {}
+    verify, draft = cost_curves(model, length, sizes, reps=3, kv=kv, info=info)
     t1 = verify[1]
-    out = {"verify_seconds_1": t1,
+    out = {"verify_seconds_1": t1, "kv_cache_mb": info["kv_bytes"] / 2 ** 20,
            "verify_cost_curve": {str(k): verify[k] / t1 for k in sizes},
            "draft_cost_curve": {str(k): draft[k] / t1 for k in sizes} if draft else {}}
     if model.group is None and (model.head is not None or model.auto_lookup is not None):
@@ -257,5 +258,6 @@ def _print(length, name, s) -> None:
              if modelled else "")
           + (f"; draft step over 1/16 nodes {c['draft_cost_curve']['1']:.2f}/"
              f"{c['draft_cost_curve']['16']:.2f} t(1)" if c["draft_cost_curve"] else "")
-          + f"; peak memory {max(v['peak_memory_gb'] for k, v in s.items() if isinstance(v, dict) and 'peak_memory_gb' in v):.2f} GB",
+          + f"; KV cache {c['kv_cache_mb']:.1f} MB, peak memory "
+          f"{max(s[m]['peak_memory_gb'] for m in ('plain', 'tree', 'auto') if m in s):.2f} GB",
           file=sys.stderr, flush=True)

@@ -94,8 +94,10 @@ def test_the_context_report_has_every_length_cache_and_mode(tmp_path, monkeypatc
                 assert s[mode]["identical"] is True and s[mode]["tokens_per_second"] > 0
             assert s["tree"]["tau"] >= 1.0
             costs = s["costs"]
-            assert costs["verify_cost_curve"]["1"] == 1.0
+            assert costs["verify_cost_curve"]["1"] == 1.0 and costs["kv_cache_mb"] > 0
             assert costs["modelled_verify_cost_curve"]["1"] == pytest.approx(1.0)
             assert set(costs["draft_cost_curve"]) == set(costs["verify_cost_curve"])
         assert f"context {length}" in proc.stderr
+        mb = {name: r["summary"]["costs"]["kv_cache_mb"] for name, r in per_kv.items()}
+        assert mb["8-bit"] < 0.6 * mb["float"]  # (8 bits + scales and biases against 32)
     assert len(list((tmp_path / "cache" / "costs").iterdir())) == 2  # float and 8-bit
