@@ -819,6 +819,8 @@ def _main(argv) -> int:
         defaults = plain_for_mlx_lm_files(cache, defaults, args.prompt_cache_file)
     if defaults.speculate == "auto" and model.group is None:
         model.costs()  # (measured before serving, where this machine has no record yet)
+        if defaults.kv is not None:
+            model.costs(defaults.kv)  # (and with the quantized caches it serves with)
     try:
         server = Server((args.host, args.port), Handler, max_connections=args.max_connections)
     except OSError as e:
