@@ -817,6 +817,10 @@ def _main(argv) -> int:
 
         cache = load(args.prompt_cache_file, model, defaults.kv, defaults.max_kv_size)
         defaults = plain_for_mlx_lm_files(cache, defaults, args.prompt_cache_file)
+    if defaults.kv is not None:
+        from .decoding.plan import check_kv
+
+        check_kv(model, defaults.kv)  # (refused before serving, not at every request)
     if defaults.speculate == "auto" and model.group is None:
         model.costs()  # (measured before serving, where this machine has no record yet)
         if defaults.kv is not None:

@@ -191,6 +191,9 @@ def test_bad_kv_settings_are_one_sentence(pairs, tmp_path):
                  2, "--kv-group-size applies to a quantized KV cache; give --kv-bits too.")
     one_sentence(tool("server", "--model", target, "--kv-bits", "4", "--max-batch", "2"), 2,
                  "--kv-bits quantizes one sequence's caches")
+    # (refused before the server measures or listens)
+    one_sentence(tool("server", "--model", target, "--kv-bits", "4", "--kv-group-size", "128",
+                      "--port", "1"), 1, "does not divide the target's key/value head size 32")
 
 
 @pytest.mark.parametrize("name,match", [("gemma4_swa", "KV-shared layers"),
