@@ -474,11 +474,13 @@ def check_args(args):
     if args.kv_bits is None and (args.kv_group_size, args.quantized_kv_start) != (None, None):
         raise UsageError("--kv-group-size and --quantized-kv-start apply to a quantized KV "
                          "cache; give --kv-bits too.")
+    args.kv = None  # (--context's quantized caches: from the prompt's start unless told)
     if args.kv_bits is not None:
         try:
-            GenerationSettings(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size or 64,
-                               quantized_kv_start=args.quantized_kv_start or 0
-                               ).check(name=flag_name)
+            args.kv = GenerationSettings(kv_bits=args.kv_bits,
+                                         kv_group_size=args.kv_group_size or 64,
+                                         quantized_kv_start=args.quantized_kv_start or 0
+                                         ).check(name=flag_name).kv
         except EagleError as e:
             raise UsageError(str(e)) from None
     if args.draft_vocabs is not None and any(n < 0 for n in args.draft_vocabs):
@@ -487,13 +489,27 @@ def check_args(args):
     return trees
 
 
+def timed_generation(model, tokenizer, ids, **settings) -> dict:
+    """One generation (`stream_generate`'s keyword arguments), timed from the prefill's
+    token on: its tokens, seconds, the prefill's seconds, tokens/s as the responses say,
+    target passes, passes by kind and peak memory."""
+    from .generation import stream_generate
+
+    tokens, r, start, first = [], None, time.perf_counter(), None
+    for r in stream_generate(model, tokenizer, ids, **settings):
+        tokens += r.tokens
+        first = first or time.perf_counter()
+    return {"tokens": tokens, "seconds": time.perf_counter() - first,
+            "prefill_seconds": first - start, "generation_tps": r.generation_tps,
+            "target_forwards": r.target_forwards, "passes": dict(r.passes),
+            "peak_memory_gb": r.peak_memory}
+
+
 def auto_report(model, tokenizer, encoded, args) -> dict:
     """Plain decoding and adaptive speculation, interleaved on every prompt at every
     temperature, each first by turns (the machine's drift hits both alike); per dataset the tokens/s of each
     (the tokens after the prefill's over their time, summed over the prompts), their ratio, tau, what auto chose, and whether its text
     is plain decoding's (greedy)."""
-    from .generation import stream_generate
-
     costs = model.costs()
     report = {"machine": machine(), "model": str(model.target.path), "eagle": model.head_path,
               "max_tokens": args.max_tokens, "costs": costs.asdict(), "temps": {}}
@@ -503,14 +519,9 @@ def auto_report(model, tokenizer, encoded, args) -> dict:
             row = {"source": src, "prompt_tokens": len(ids)}
             modes = (("plain", False), ("auto", "auto"))
             for name, speculate in modes[:: 1 if i % 2 == 0 else -1]:  # (each first by turns)
-                start, tokens, r = None, [], None  # (timed from the prefill's token on)
-                for r in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,
-                                         temp=temp, seed=args.seed + i, speculate=speculate):
-                    tokens += r.tokens
-                    start = start or time.perf_counter()
-                row[name] = {"tokens": tokens, "seconds": time.perf_counter() - start,
-                             "generation_tps": r.generation_tps,
-                             "target_forwards": r.target_forwards, "passes": r.passes}
+                row[name] = timed_generation(model, tokenizer, ids, max_tokens=args.max_tokens,
+                                             temp=temp, seed=args.seed + i,
+                                             speculate=speculate)
             a, p = row["auto"], row["plain"]
             row["identical"] = a["tokens"] == p["tokens"] if temp == 0 else None
             rows.append(row)
@@ -839,11 +850,9 @@ def _context_main(args, output) -> int:
         if n + args.max_tokens + 16 > target.max_context:
             raise UsageError(f"--context {n} with --max-tokens {args.max_tokens} exceeds the "
                              f"model's context of {target.max_context} tokens.")
-    if args.kv_bits is not None:
-        from .decoding.settings import KVQuantization
-
+    if args.kv is not None:
         try:
-            check_kv(model, KVQuantization(args.kv_bits, args.kv_group_size or 64, 0))
+            check_kv(model, args.kv)
         except EagleError as e:
             raise UsageError(str(e)) from None
     report = context_report(model, tokenizer, args, args.context)

@@ -17,7 +17,6 @@ import gzip
 import json
 import statistics
 import sys
-import time
 from typing import List, Optional, Sequence, Tuple
 
 
@@ -131,19 +130,6 @@ def long_prompts(tokenizer, datasets: Sequence[str], n: int, length: int,
     return out
 
 
-def _run(model, tokenizer, ids, settings: GenerationSettings) -> dict:
-    from .generation import stream_generate
-
-    tokens, r, start, first = [], None, time.perf_counter(), None
-    for r in stream_generate(model, tokenizer, ids, settings=settings):
-        tokens += r.tokens
-        first = first or time.perf_counter()
-    end = time.perf_counter()
-    return {"tokens": tokens, "seconds": end - first, "prefill_seconds": first - start,
-            "target_forwards": r.target_forwards, "passes": dict(r.passes),
-            "peak_memory_gb": r.peak_memory}
-
-
 def context_costs(model, length: int, kv: Optional[KVQuantization], sizes=SIZES) -> dict:
     """The cost curves after `length` positions (quantized as `kv` says): a verify pass over
     k tree tokens and the drafter's step over k nodes, each over one token's verify; beside
@@ -156,11 +142,16 @@ def context_costs(model, length: int, kv: Optional[KVQuantization], sizes=SIZES)
     out = {"verify_seconds_1": t1, "kv_cache_mb": info["kv_bytes"] / 2 ** 20,
            "verify_cost_curve": {str(k): verify[k] / t1 for k in sizes},
            "draft_cost_curve": {str(k): draft[k] / t1 for k in sizes} if draft else {}}
-    if model.group is None and (model.head is not None or model.auto_lookup is not None):
+    if _adaptive(model):
         costs = model.costs(kv)  # (quantized from the start here: the costs measured so)
         out["modelled_verify_cost_curve"] = {
             str(k): costs.verify(k, length) / costs.verify(1, length) for k in sizes}
     return out
+
+
+def _adaptive(model) -> bool:
+    """Whether auto speculates on this model (else it decodes plainly, no costs)."""
+    return model.group is None and (model.head is not None or model.auto_lookup is not None)
 
 
 def context_report(model, tokenizer, args, lengths: Sequence[int]) -> dict:
@@ -173,12 +164,10 @@ def context_report(model, tokenizer, args, lengths: Sequence[int]) -> dict:
     if model.head is not None:
         modes["tree"] = dict(speculate=True, **shape)
     modes["auto"] = dict(speculate="auto")
-    kvs: List[Optional[KVQuantization]] = [None]
-    if args.kv_bits is not None:
-        kvs.append(KVQuantization(args.kv_bits, args.kv_group_size or 64,
-                                  0 if args.quantized_kv_start is None
-                                  else args.quantized_kv_start))
-    if model.group is None and (model.head is not None or model.auto_lookup is not None):
+    from .benchmark import timed_generation
+
+    kvs: List[Optional[KVQuantization]] = [None] + ([args.kv] if args.kv is not None else [])
+    if _adaptive(model):
         for kv in kvs:  # (measured before anything is timed, where none are on record)
             model.costs(kv)
     from .tuning import machine
@@ -202,7 +191,7 @@ def context_report(model, tokenizer, args, lengths: Sequence[int]) -> dict:
                 for m in order:
                     s = GenerationSettings(max_tokens=args.max_tokens, temp=temp,
                                            seed=args.seed + i, **modes[m], **kv_args)
-                    row[m] = _run(model, tokenizer, ids, s)
+                    row[m] = timed_generation(model, tokenizer, ids, settings=s)
                 for m in modes:
                     if m != "plain" and temp == 0:
                         row[m]["identical"] = row[m]["tokens"] == row["plain"]["tokens"]

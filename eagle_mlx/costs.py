@@ -45,8 +45,9 @@ def costs_path(model, kv=None) -> Path:
                version=COSTS_VERSION)
     if kv is not None:  # (quantized attention costs otherwise)
         key.update(kv_bits=kv.bits, kv_group_size=kv.group_size)
-    if draft_window(model.head) is not None:  # (a windowed head's draft cost stops growing)
-        key["draft_window"] = draft_window(model.head)
+    window = draft_window(model.head)
+    if window is not None:  # (a windowed head's draft cost stops growing)
+        key["draft_window"] = window
     return entry_path(user_cache("costs"), key)
 
 
@@ -87,11 +88,7 @@ def head_options(model) -> List:
 
 def draft_window(head) -> Optional[int]:
     """The positions a drafter reads at most (its draft window), None: all of them."""
-    if head is None:
-        return None
-    window = getattr(head, "draft_window", None)
-    args = getattr(head, "args", None)
-    return window if window is not None else getattr(args, "draft_window", None)
+    return getattr(head, "draft_window", None)
 
 
 def long_context(target, short=None) -> int:
@@ -117,26 +114,26 @@ def measure(model, options: Sequence, kv=None):
         from dataclasses import replace
 
         kv = replace(kv, start=0)
-    short = _measure_at(model, options, MEASURE_PROMPT, kv=kv)
+    verify, draft, catch_up = _measure_at(model, options, MEASURE_PROMPT, kv=kv)
+    short = Costs(verify, draft, catch_up, MEASURE_PROMPT)
     longer, at = None, long_context(model.target, short)
     if at:
-        ns = [n for n, _ in short.verify_points]  # (the first, a middle and the last: a line)
-        verify, draft, _ = _measure_at(model, options, at,
-                                       points=sorted({ns[0], ns[len(ns) // 2], ns[-1]}),
-                                       labels=set(short.draft_costs), kv=kv)
+        ns = sorted(verify)  # (the first, a middle and the last: a line)
+        long_verify, long_draft, _ = _measure_at(
+            model, options, at, points=sorted({ns[0], ns[len(ns) // 2], ns[-1]}),
+            labels=set(draft), kv=kv)
         window = draft_window(model.head)
         longer = {"at": at, "draft_at": at if window is None else min(at, window),
-                  "draft_window": window,
-                  "verify": dict(verify.verify_points), "draft": draft}
-    return Costs(dict(short.verify_points), short.draft_costs, short.catch_up,
-                 MEASURE_PROMPT, longer)
+                  "draft_window": window, "verify": long_verify, "draft": long_draft}
+    return Costs(verify, draft, catch_up, MEASURE_PROMPT, longer)
 
 
 def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=None,
                 kv=None):
     """The costs after a prompt of `prompt_len` tokens: the chains of nothing drafted at
     VERIFY_POINTS (`points`: at these), then the head's options whose verify leaves room to
-    pay (`labels`: those). Returns Costs (short) or (Costs, draft, catch_up) (long)."""
+    pay (`labels`: those). Returns the seconds by chain size, the drafting's by option
+    label, and the catching up's per position."""
     import mlx.core as mx
 
     from .decoding.adaptive import AdaptiveDrafter, Costs, lookup_chain
@@ -214,9 +211,7 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
         if i == 0 and len(runs) > 1:  # the first caught up on every position so far
             catch_up = max(runs[0] - min(runs[1:]), 0.0) / max(behind - o.depth - 1, 1)
     state.drafter.forced = None
-    if labels is not None:
-        return costs, draft, catch_up
-    return Costs(verify, draft, catch_up)
+    return verify, draft, catch_up
 
 
 def model_costs(model, refresh: bool = False,

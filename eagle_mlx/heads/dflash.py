@@ -540,6 +540,11 @@ class DFlashHead(DraftHead):
 
     block = True  # drafts a whole block per forward (`decoding.block.BlockDrafter`)
 
+    @property
+    def draft_window(self) -> Optional[int]:
+        """The context positions kept (its args', which `load(..., draft_window=N)` sets)."""
+        return self.args.draft_window
+
     def __init__(self, args: BlockArgs, source: Optional[HeadSource] = None):
         super().__init__(source)
         self.args = args
