@@ -28,6 +28,7 @@ import mlx.nn as nn
 
 from .. import mlxlm
 from ..errors import EagleError
+from ..targets.layers import as_rows
 from .base import DraftHead, HeadSource
 from .eagle import MLP, ROPE_TYPES
 
@@ -628,7 +629,7 @@ class DFlashHead(DraftHead):
         start = state.offset
         for layer, c in zip(self.layers, state.layers):
             h = layer(h, c, start)
-        return self.norm(h[0, first:])
+        return self.norm(h[:, first:])[0]
 
     def predict_hidden(self, state: BlockState, root: mx.array, target, n: int) -> mx.array:
         """The hidden states [n, H] that predict the n tokens after the root: DFlash runs a
@@ -689,7 +690,7 @@ class DFlashHead(DraftHead):
     def logits(self, out_hidden: mx.array, target) -> mx.array:
         a = self.args
         if a.dspark:
-            out = self.lm_head(out_hidden)
+            out = as_rows(self.lm_head, out_hidden)
             cap = a.final_logit_softcapping
             return out if not cap else mx.tanh(out / cap) * cap
         out = target.output_projection(out_hidden)

@@ -23,7 +23,7 @@ import mlx.nn as nn
 
 from .. import mlxlm
 from ..targets.cache import DraftWindowKVCache, HeadCache, TreeKVCache
-from ..targets.layers import attention
+from ..targets.layers import as_rows, attention
 from .base import DraftHead, HeadSource
 
 
@@ -333,7 +333,8 @@ class Eagle3Head(DraftHead):
         return self._norm(h) if a.norm_output else h
 
     def logits(self, out_hidden, target) -> mx.array:
-        return self.lm_head(out_hidden if self.args.norm_output else self._norm(out_hidden))
+        return as_rows(lambda h: self.lm_head(h if self.args.norm_output else self._norm(h)),
+                       out_hidden)
 
     def to_target_ids(self, draft_ids: mx.array) -> mx.array:
         if "d2t" in self:

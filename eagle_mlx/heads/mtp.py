@@ -181,6 +181,8 @@ class MTPHead(DraftHead):
                                     self.pre_fc_norm_hidden(features)], axis=-1))
         if mask is None and h.shape[1] > 1:
             mask = "causal"
+        elif isinstance(mask, mx.array) and mask.ndim == 2:
+            mask = mask[None, None]  # (mlx-lm's layers are handed [B, heads, T, keys])
         caches = cache.layers if cache is not None else [None] * len(self.layers)
         self._rope.positions = positions
         try:

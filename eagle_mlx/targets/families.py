@@ -108,8 +108,15 @@ class AttentionMechanism(Mechanism):
         return None if self.source is not None else RaggedKVCache()
 
     def mask(self, fwd: Forward, cache):
-        if self.window in fwd.masks:
-            return fwd.masks[self.window]
+        """This layer's mask in `fwd` (made once per kind of layer): None, "causal", or a
+        boolean array of mlx-lm's own rank, [B or 1, heads or 1, T, keys]."""
+        if self.window not in fwd.masks:
+            mask = self._mask(fwd, cache)
+            fwd.masks[self.window] = mask if not isinstance(mask, mx.array) or mask.ndim == 4 \
+                else mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        return fwd.masks[self.window]
+
+    def _mask(self, fwd: Forward, cache):
         if isinstance(cache, BoundedKVCache):  # (mlx-lm's bounded cache: its own layout)
             if fwd.T == 1:
                 mask = None
@@ -117,12 +124,9 @@ class AttentionMechanism(Mechanism):
                 mask = cache.tree_mask(fwd.mask[:, -fwd.T:], fwd.queries)
             else:
                 mask = cache.make_mask(fwd.T, return_array=True)
-            fwd.masks[self.window] = mask
             return mask
         if fwd.tree is not None:  # a batch: each row's prefix (within the window), its tree
-            mask = cache.mask(fwd.tree, fwd.T, self.window, fwd.positions)
-            fwd.masks[self.window] = mask
-            return mask
+            return cache.mask(fwd.tree, fwd.T, self.window, fwd.positions)
         mask = fwd.mask
         if mask is None and fwd.T > 1:
             mask = "causal"
@@ -140,7 +144,6 @@ class AttentionMechanism(Mechanism):
                 else:  # causal over the held positions and the new ones
                     k = band.shape[1]
                     mask = band & (mx.arange(k)[None, :] <= mx.arange(k - fwd.T, k)[:, None])
-        fwd.masks[self.window] = mask
         return mask
 
 

@@ -87,12 +87,25 @@ def attention(
             mask = mask[..., lo:]
     if mask is None and T > 1:
         mask = "causal"
+    elif isinstance(mask, mx.array) and mask.ndim == 2:
+        mask = mask[None, None]  # ([B, heads, T, keys]: what mlx-lm's own masks are)
     if hasattr(cache, "bits"):  # a quantized cache (`kv_bits`): mlx-lm's quantized attention
         out = mlxlm.quantized_scaled_dot_product_attention(
             q, k, v, scale=attn.scale, mask=mask, group_size=cache.group_size, bits=cache.bits)
     else:
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
     return out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+
+
+def as_rows(fn, x: mx.array) -> mx.array:
+    """fn (a projection over the last axis) of x [..., H] computed on [1, rows, H] unless x
+    is [B, T, H]: the rank mlx-lm's own model call gives every projection, and the only one
+    every backend's quantized matmul is written for (MLX's CUDA backend failed on the
+    engine's 1-D and 2-D inputs)."""
+    if x.ndim == 3:
+        return fn(x)
+    out = fn(x.reshape(1, -1, x.shape[-1]))
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def log_softmax(x: mx.array) -> mx.array:

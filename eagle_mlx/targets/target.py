@@ -21,6 +21,7 @@ from .. import mlxlm
 from .cache import QuantizedTreeKVCache, RaggedKVCache, TreeKVCache
 from .families import FAMILIES, AttentionMechanism, Forward, LinearAttentionMechanism, \
     RopeContext, family_of, install_positions, untruncated_yarn
+from .layers import as_rows
 
 # mlx-lm decoders whose tree forward is tested against transformers: the standard shape
 # (norm -> attention with q/k/v/o and RoPE, optional q/k norms -> norm -> MLP or sparse
@@ -252,7 +253,9 @@ class Target:
         return [a for c in caches for a in c.arrays()]
 
     def lm_head(self, hidden: mx.array) -> mx.array:
-        return self.family.logits(hidden)
+        """Logits of hidden states [..., H] (any leading shape), computed as mlx-lm's own
+        forward computes them: on [B, T, H] rows (`as_rows`)."""
+        return as_rows(self.family.logits, hidden)
 
     def _cache_of(self, caches, layer: int):
         """Layer `layer`'s own cache in `caches` (one per layer that keeps one)."""
@@ -288,7 +291,7 @@ class Target:
     def output_projection(self, hidden: mx.array) -> mx.array:
         """The output projection without the model's final soft-cap (what a block drafter
         scores its slots with)."""
-        return self.family.projection(hidden)
+        return as_rows(self.family.projection, hidden)
 
     def __call__(
         self,
