@@ -108,6 +108,7 @@ LONGEST_FIRST = ["test_engine.py", "test_demo.py", "test_lookup.py", "test_cli.p
                  "test_prompt_files.py", "test_train.py", "test_server.py",
                  "test_bad_inputs.py", "test_gemma4_assistant.py",
                  "test_train_eagle3.py", "test_layouts.py", "test_bench_device.py",
+                 "test_backend_inputs.py",
                  "test_server_batch.py", "test_server_load.py", "test_heads.py",
                  "test_target.py", "test_gguf.py"]
 

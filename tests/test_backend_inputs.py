@@ -187,3 +187,40 @@ def test_mtp_block_and_assistant_drafters(root):
     assistant = make_gemma4_assistant(root / "assistant", gemma4)
     check_paths(*quantized_pair(gemma4, assistant), {"assistant chain": _gen(
         speculate=True), "assistant batch": _batch})
+
+
+@pytest.mark.parametrize("name", ["llama3_gqa", "mistral_swa"])
+def test_padded_keys_plan_once_per_buffer_and_decode_mlx_lms_tokens(tiny_dir, tmp_path, name,
+                                                                    monkeypatch):
+    """With the keys of masked passes padded to the cache's buffer (`pads_keys`, on by
+    default where MLX runs on a CUDA GPU), a tree's attention sees one key length per
+    buffer instead of a new one every cycle, and greedy trees still decode mlx-lm's own
+    `generate_step` tokens (full attention and sliding windows, through the attention this
+    package runs; the families that run mlx-lm's own decoder layers, gpt-oss among them,
+    keep mlx-lm's key lengths)."""
+    from eagle_mlx.targets import layers
+
+    target_dir = tiny_dir(name)
+    head = make_eagle_head(tmp_path / "h", target_dir, "eagle1", seed=2)
+    model, tok = eagle_mlx.load(str(target_dir), eagle=str(head))
+    prompt = tok.encode(PROMPT)
+    gen = importlib.import_module("mlx_lm.generate")
+    expected = [int(t) for t, _ in gen.generate_step(mx.array(prompt), model.target.model,
+                                                     max_tokens=40)]
+    lengths = {}
+    for pad in (False, True):
+        monkeypatch.setattr(layers, "_PAD_KEYS", [pad])
+        seen = lengths[pad] = set()
+        sdpa = mx.fast.scaled_dot_product_attention
+
+        def recorded(q, k, v, *args, mask=None, **kwargs):
+            if q.shape[2] > 1 and isinstance(mask, mx.array):
+                seen.add(k.shape[2])
+            return sdpa(q, k, v, *args, mask=mask, **kwargs)
+
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
+        out = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40, **TREE)
+               for t in r.tokens]
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", sdpa)
+        assert out == expected, pad
+    assert len(lengths[False]) > 8 and len(lengths[True]) <= 4, (sorted(lengths[False]), sorted(lengths[True]))

@@ -78,6 +78,22 @@ class TreeKVCache(KVCache):
         """The buffers to evaluate once a cycle has updated them."""
         return () if self.keys is None else (self.keys, self.values)
 
+    def padded(self, keys: mx.array, values: mx.array, mask: mx.array):
+        """`update_and_fetch`'s keys and values and a pass's boolean mask over them [...,
+        T, slots], widened to the whole buffer with the slots past those held masked off:
+        the key length then changes only when the buffer grows (every `step` slots; a
+        window's every ~window positions), not on every pass. A GPU attention that plans
+        per key length (MLX's CUDA one builds a cuDNN graph per shape) plans once per
+        buffer instead of once per tree. The masked slots (zeros or older rows, finite)
+        weigh exactly 0. Where the fetch is not the buffer's first slots, as they are."""
+        held = self.offset - self.base
+        width = 0 if self.keys is None else self.keys.shape[2]
+        if width <= held or keys.shape[2] != held or mask.shape[-1] != held or \
+                mask.dtype != mx.bool_:
+            return keys, values, mask
+        pad = mx.zeros((*mask.shape[:-1], width - held), dtype=mx.bool_)
+        return self.keys, self.values, mx.concatenate([mask, pad], axis=-1)
+
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedTreeKVCache":
         """This cache quantized (mlx-lm's switch at `quantized_kv_start`, which mlx-lm's
         `generate_step` makes through this method too): every position packed as mlx-lm

@@ -4,6 +4,7 @@ Both the targets (mlx-lm modules, reused as they are) and the draft heads run th
 attention through `attention()`, so a tree of T tokens is one call whatever the model.
 """
 
+import os
 from typing import Optional
 
 import mlx.core as mx
@@ -20,6 +21,24 @@ def _dynamic_ntk_freqs(rope, seq_len: mx.array) -> mx.array:
     ) ** (d / (d - 2))
     base = mx.where(seq_len > rope.max_position_embeddings, grown, rope.base)
     return base ** (mx.arange(0, d, 2, dtype=mx.float32) / d)
+
+
+_PAD_KEYS = []
+
+
+def pads_keys() -> bool:
+    """Whether a masked pass of several queries (a tree's verify, a head's draft level)
+    attends over its cache's whole buffer, the slots not yet held masked (`TreeKVCache.
+    padded`): where MLX runs on a CUDA GPU, whose attention builds a cuDNN graph for every
+    new key length — a tree's grows every cycle, and a graph costs tens of milliseconds.
+    Metal's and the CPU's attention kernels plan nothing per shape, so there the padding
+    would only add masked work. EAGLE_MLX_PAD_KEYS=1 or 0 sets it on any device."""
+    if not _PAD_KEYS:
+        env = os.environ.get("EAGLE_MLX_PAD_KEYS", "")
+        _PAD_KEYS.append(env == "1" if env in ("0", "1") else
+                         mx.default_device().type == mx.DeviceType.gpu and
+                         hasattr(mx, "cuda") and mx.cuda.is_available())
+    return _PAD_KEYS[0]
 
 
 def apply_rope(rope, x: mx.array, offset: int, positions: Optional[mx.array]) -> mx.array:
@@ -89,6 +108,8 @@ def attention(
         mask = "causal"
     elif isinstance(mask, mx.array) and mask.ndim == 2:
         mask = mask[None, None]  # ([B, heads, T, keys]: what mlx-lm's own masks are)
+    if T > 1 and isinstance(mask, mx.array) and hasattr(cache, "padded") and pads_keys():
+        k, v, mask = cache.padded(k, v, mask)
     if hasattr(cache, "bits"):  # a quantized cache (`kv_bits`): mlx-lm's quantized attention
         out = mlxlm.quantized_scaled_dot_product_attention(
             q, k, v, scale=attn.scale, mask=mask, group_size=cache.group_size, bits=cache.bits)
