@@ -189,15 +189,14 @@ def test_mtp_block_and_assistant_drafters(root):
         speculate=True), "assistant batch": _batch})
 
 
-@pytest.mark.parametrize("name", ["llama3_gqa", "mistral_swa"])
+@pytest.mark.parametrize("name", ["llama3_gqa", "mistral_swa", "gpt_oss_swa", "qwen3_5"])
 def test_padded_keys_plan_once_per_buffer_and_decode_mlx_lms_tokens(tiny_dir, tmp_path, name,
                                                                     monkeypatch):
     """With the keys of masked passes padded to the cache's buffer (`pads_keys`, on by
     default where MLX runs on a CUDA GPU), a tree's attention sees one key length per
     buffer instead of a new one every cycle, and greedy trees still decode mlx-lm's own
-    `generate_step` tokens (full attention and sliding windows, through the attention this
-    package runs; the families that run mlx-lm's own decoder layers, gpt-oss among them,
-    keep mlx-lm's key lengths)."""
+    `generate_step` tokens: full attention, sliding windows, mlx-lm's own decoder layers
+    (gpt-oss, with sinks) and a hybrid's full-attention layers."""
     from eagle_mlx.targets import layers
 
     target_dir = tiny_dir(name)

@@ -295,6 +295,37 @@ def test_bounded_caches_decode_as_mlx_lms(pairs, name):
         assert fresh(alone, tok, prompt, speculate=True, **kw) == expected, bound
 
 
+def test_bounded_caches_below_at_and_far_above_the_bound(tmp_path):
+    """A float32 Llama of vocabulary 1024 and its EAGLE-1 head, a bound of 40: for prompts
+    shorter than the bound, as long as it and seven times it (the cache rotating from the
+    prefill on), 48 greedy tokens of plain decoding, of trees 16/4/4 and 8/3/2 and of auto
+    equal mlx-lm's `generate_step` over its own bounded cache (`RotatingKVCache(40, keep=4)`,
+    what its `make_prompt_cache` makes for max_kv_size; mlx-lm's Llama makes caches of its
+    own, for which generate_step's max_kv_size bounds nothing, so the cache is handed to it),
+    and differ from its unbounded decoding."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import RotatingKVCache
+
+    target = make_hf_model(tmp_path / "t", "llama", seed=3, num_hidden_layers=4,
+                           vocab_size=1024, num_key_value_heads=2)
+    head = make_eagle_head(tmp_path / "h", target, "eagle1", seed=1)
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    tok.eos_token_ids = set()
+    lm = model.target.model
+    rng = np.random.default_rng(0)
+    for length in (33, 40, 290):
+        prompt = rng.integers(3, 1024, length).tolist()
+        expected = [int(t) for t, _ in generate_step(
+            mx.array(prompt), lm, max_tokens=48,
+            prompt_cache=[RotatingKVCache(max_size=40, keep=4) for _ in lm.layers])]
+        unbounded = [int(t) for t, _ in generate_step(mx.array(prompt), lm, max_tokens=48)]
+        assert expected != unbounded, length
+        for kw in (dict(speculate=False), dict(total_tokens=16, depth=4, draft_top_k=4),
+                   dict(total_tokens=8, depth=3, draft_top_k=2), {}):
+            assert fresh(model, tok, prompt, max_tokens=48, max_kv_size=40, **kw) == \
+                expected, (length, kw)
+
+
 def fresh(model, tok, prompt, **kw):
     return [t for r in eagle_mlx.stream_generate(model, tok, prompt, **kw) for t in r.tokens]
 

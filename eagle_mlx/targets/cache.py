@@ -78,21 +78,46 @@ class TreeKVCache(KVCache):
         """The buffers to evaluate once a cycle has updated them."""
         return () if self.keys is None else (self.keys, self.values)
 
-    def padded(self, keys: mx.array, values: mx.array, mask: mx.array):
-        """`update_and_fetch`'s keys and values and a pass's boolean mask over them [...,
-        T, slots], widened to the whole buffer with the slots past those held masked off:
-        the key length then changes only when the buffer grows (every `step` slots; a
-        window's every ~window positions), not on every pass. A GPU attention that plans
-        per key length (MLX's CUDA one builds a cuDNN graph per shape) plans once per
-        buffer instead of once per tree. The masked slots (zeros or older rows, finite)
-        weigh exactly 0. Where the fetch is not the buffer's first slots, as they are."""
-        held = self.offset - self.base
+    pad_next = False  # the next `update_and_fetch` returns the whole buffer (`padded_mask`)
+
+    def update_and_fetch(self, keys, values):
+        return self._fetched(*super().update_and_fetch(keys, values))
+
+    def _fetched(self, keys, values):
+        if self.pad_next:
+            self.pad_next = False
+            return self.keys, self.values
+        return keys, values
+
+    def base_after(self, n: int) -> int:
+        """The position of slot 0 once `n` new positions are appended."""
+        return self.base
+
+    def width_after(self, n: int) -> int:
+        """The buffer's slots once `n` positions are appended (mlx-lm's growth rule: whole
+        steps of 256 slots)."""
         width = 0 if self.keys is None else self.keys.shape[2]
-        if width <= held or keys.shape[2] != held or mask.shape[-1] != held or \
-                mask.dtype != mx.bool_:
-            return keys, values, mask
-        pad = mx.zeros((*mask.shape[:-1], width - held), dtype=mx.bool_)
-        return self.keys, self.values, mx.concatenate([mask, pad], axis=-1)
+        if self.keys is not None and self.offset + n <= width:
+            return width
+        grown = (self.step + n - 1) // self.step * self.step
+        return grown + (self.offset if self.keys is not None and self.offset % self.step
+                        else width)
+
+    def padded_mask(self, mask: mx.array, n: int) -> mx.array:
+        """The boolean mask [..., n, slots] of a pass of `n` positions over this cache,
+        widened to the whole buffer the update leaves, the slots past those held masked off;
+        the update then returns the whole buffer. The key length then changes only when the
+        buffer grows (every `step` slots; a window's every ~window positions), not on every
+        pass: a GPU attention that plans per key length (MLX's CUDA one builds a cuDNN graph
+        per shape) plans once per buffer instead of once per tree. The masked slots (zeros or
+        older rows, finite) weigh exactly 0. A mask of another width is left as it is."""
+        held = self.offset + n - self.base_after(n)
+        width = self.width_after(n)
+        if width <= held or mask.shape[-1] != held or mask.dtype != mx.bool_:
+            return mask
+        self.pad_next = True
+        return mx.concatenate([mask, mx.zeros((*mask.shape[:-1], width - held), mx.bool_)],
+                              axis=-1)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedTreeKVCache":
         """This cache quantized (mlx-lm's switch at `quantized_kv_start`, which mlx-lm's
@@ -250,6 +275,10 @@ class WindowKVCache(TreeKVCache):
         """The position of slot 0 once `n` new positions are appended."""
         return self.base if self._fits(n) else max(self.base, self.offset - self.window - 1)
 
+    def width_after(self, n: int) -> int:
+        return self.keys.shape[2] if self._fits(n) else \
+            self.offset - self.base_after(n) + n + self.room
+
     def update_and_fetch(self, keys, values):
         n = keys.shape[2]
         if not self._fits(n):
@@ -266,8 +295,8 @@ class WindowKVCache(TreeKVCache):
         self.keys[..., start : start + n, :] = keys
         self.values[..., start : start + n, :] = values
         self.offset += n
-        return self.keys[..., : self.offset - self.base, :], \
-            self.values[..., : self.offset - self.base, :]
+        return self._fetched(self.keys[..., : self.offset - self.base, :],
+                             self.values[..., : self.offset - self.base, :])
 
     @property
     def state(self):

@@ -30,7 +30,7 @@ from .cache import BatchRecurrentCache, BoundedKVCache, RaggedKVCache, Recurrent
     TreeKVCache, WindowKVCache
 from .. import mlxlm
 from ..errors import EagleError
-from .layers import apply_rope, attention
+from .layers import apply_rope, attention, padded_mask
 
 
 def text_config(config: dict) -> dict:
@@ -375,7 +375,7 @@ class LayerCallFamily(Family):
         return True
 
     def layer(self, target, i, layer, h, cache, mask, fwd):
-        return layer(h, mask, cache)
+        return layer(h, padded_mask(cache, mask, fwd.T), cache)
 
 
 class Gemma3Family(LayerCallFamily):
@@ -429,7 +429,7 @@ class Ministral3Family(LayerCallFamily):
         return h
 
     def layer(self, target, i, layer, h, cache, mask, fwd):
-        return layer(h, fwd.extra, mask, cache=cache)
+        return layer(h, fwd.extra, padded_mask(cache, mask, fwd.T), cache=cache)
 
 
 class Gemma4Family(LayerCallFamily):
@@ -490,7 +490,7 @@ class HybridFamily(LayerCallFamily):
 
     def layer(self, target, i, layer, h, cache, mask, fwd):
         if not layer.is_linear or fwd.positions is None or cache is None:
-            return layer(h, mask, cache)
+            return layer(h, padded_mask(cache, mask, fwd.T), cache)
         attn = layer.linear_attn
         rows, z, b, a = self.projections(attn, layer.input_layernorm(h))
         if fwd.tree is not None:

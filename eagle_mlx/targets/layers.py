@@ -29,7 +29,7 @@ _PAD_KEYS = []
 def pads_keys() -> bool:
     """Whether a masked pass of several queries (a tree's verify, a head's draft level)
     attends over its cache's whole buffer, the slots not yet held masked (`TreeKVCache.
-    padded`): where MLX runs on a CUDA GPU, whose attention builds a cuDNN graph for every
+    padded_mask`): where MLX runs on a CUDA GPU, whose attention builds a cuDNN graph for every
     new key length — a tree's grows every cycle, and a graph costs tens of milliseconds.
     Metal's and the CPU's attention kernels plan nothing per shape, so there the padding
     would only add masked work. EAGLE_MLX_PAD_KEYS=1 or 0 sets it on any device."""
@@ -39,6 +39,15 @@ def pads_keys() -> bool:
                          mx.default_device().type == mx.DeviceType.gpu and
                          hasattr(mx, "cuda") and mx.cuda.is_available())
     return _PAD_KEYS[0]
+
+
+def padded_mask(cache, mask, T: int):
+    """A masked pass of T > 1 queries over `cache`: its mask widened to the cache's whole
+    buffer, which the cache's update then returns (`TreeKVCache.padded_mask`), where
+    `pads_keys`; anything else as it is."""
+    if T > 1 and isinstance(mask, mx.array) and hasattr(cache, "padded_mask") and pads_keys():
+        return cache.padded_mask(mask, T)
+    return mask
 
 
 def apply_rope(rope, x: mx.array, offset: int, positions: Optional[mx.array]) -> mx.array:
@@ -99,17 +108,16 @@ def attention(
     offset = cache.offset if cache is not None else 0
     q = apply_rope(attn.rope, q, offset, positions)
     k = apply_rope(attn.rope, k, offset, positions)
+    if isinstance(mask, mx.array) and mask.ndim == 2:
+        mask = mask[None, None]  # ([B, heads, T, keys]: what mlx-lm's own masks are)
     if cache is not None:
+        mask = padded_mask(cache, mask, T)
         k, v = cache.update_and_fetch(k, v)
         lo = getattr(cache, "visible_from", 0)  # (a draft window: the slots from lo on)
         if lo and isinstance(mask, mx.array):
             mask = mask[..., lo:]
     if mask is None and T > 1:
         mask = "causal"
-    elif isinstance(mask, mx.array) and mask.ndim == 2:
-        mask = mask[None, None]  # ([B, heads, T, keys]: what mlx-lm's own masks are)
-    if T > 1 and isinstance(mask, mx.array) and hasattr(cache, "padded") and pads_keys():
-        k, v, mask = cache.padded(k, v, mask)
     if hasattr(cache, "bits"):  # a quantized cache (`kv_bits`): mlx-lm's quantized attention
         out = mlxlm.quantized_scaled_dot_product_attention(
             q, k, v, scale=attn.scale, mask=mask, group_size=cache.group_size, bits=cache.bits)
