@@ -301,3 +301,97 @@ def test_the_12b_unified_pair_loads_drafts_and_decodes_exactly(tmp_path):
             token, h = r.logits.argmax(-1), r.last_hidden_state
             expected.append(int(token))
     assert drafted[1:] == expected
+
+
+def test_every_round_drafts_what_transformers_assisted_generation_drafts(tmp_path):
+    """transformers' own assisted generation (`generate(assistant_model=...)`, 3 drafts a
+    round, greedy) against the engine's chains of 3, on 4 prompts over 44 tokens, a trained
+    assistant: every round's drafts and accepted count are transformers', given its assistant
+    the keys and values of the accepted positions. transformers 5.25 hands its assistant the
+    verify pass's keys cut at the sequence's length, which keeps the key and value of the
+    first rejected draft at the bonus token's position; with them left in, the rounds that
+    differ all follow a round that accepted less than all it drafted (and past the target's
+    sliding window its sliding layers' keys are those of its windowed cache and the verified
+    block, rejected drafts included, so the window here is 64)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma4AssistantForCausalLM
+    from transformers.generation import candidate_generator as cg
+
+    from eagle_mlx.decoding.engine import Engine, SamplingParams
+
+    kind, overrides = TINY_TARGETS["gemma4_swa"]
+    target_dir = make_hf_model(tmp_path / "t", kind, seed=3, vocab_size=64, scale=4.0,
+                               **dict(overrides, sliding_window=64))
+    make_gemma4_assistant(tmp_path / "a", target_dir, steps=200)
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    reference = Gemma4AssistantForCausalLM.from_pretrained(str(tmp_path / "a"),
+                                                           dtype=torch.float32).eval()
+    reference.generation_config.num_assistant_tokens = 3
+    reference.generation_config.num_assistant_tokens_schedule = "constant"
+    model, _ = eagle_mlx.load(str(target_dir), eagle=str(tmp_path / "a"))
+    generator = cg.SinglePositionMultiTokenCandidateGenerator
+    get_candidates = generator.get_candidates
+
+    def transformers_rounds(prompt, committed_keys):
+        rounds = []  # (sequence length, drafts)
+
+        def recorded(self, input_ids, model_kwargs=None, model_outputs=None,
+                     n_last_matches=0, **kwargs):
+            if committed_keys and rounds and model_outputs is not None:
+                rejected = len(rounds[-1][1]) - n_last_matches
+                if rejected:
+                    model_outputs.shared_kv_states = {
+                        k: (kv[0][:, :, :-rejected], kv[1][:, :, :-rejected])
+                        for k, kv in model_outputs.shared_kv_states.items()}
+            ids, logits = get_candidates(self, input_ids, model_kwargs=model_kwargs,
+                                         model_outputs=model_outputs,
+                                         n_last_matches=n_last_matches, **kwargs)
+            if ids.shape[1] > input_ids.shape[1]:
+                rounds.append((input_ids.shape[1], ids[0, input_ids.shape[1]:].tolist()))
+            return ids, logits
+
+        generator.get_candidates = recorded
+        try:
+            with torch.no_grad():
+                out = target.generate(torch.tensor([prompt]), assistant_model=reference,
+                                      max_new_tokens=44, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)
+        finally:
+            generator.get_candidates = get_candidates
+        return out[0, len(prompt):].tolist(), rounds
+
+    rng = np.random.default_rng(1)
+    partial_rounds = 0
+    for _ in range(4):
+        prompt = rng.integers(3, 60, 11).tolist()
+        drafter = eagle_mlx.decoding.drafters.head_drafter(model.head, model.target, 4, 3, 1)
+        drafts, propose = {}, drafter.propose
+
+        def record(state, *args, drafts=drafts, propose=propose):
+            tree = propose(state, *args)
+            drafts[state.n + 1] = tree.tokens.tolist()[1:]  # (the root at position n)
+            return tree
+
+        drafter.propose = record
+        engine = Engine(model.target, drafter, SamplingParams(), 512)
+        state = engine.new_state()
+        engine.prefill(state, prompt)
+        while len(state.history) < len(prompt) + 44:
+            engine.cycle(state)
+        tokens, rounds = transformers_rounds(prompt, committed_keys=True)
+        assert state.history[len(prompt): len(prompt) + 44] == tokens
+        assert len(rounds) >= 10
+        for i, (n, drafted) in enumerate(rounds):  # (the last rounds: cut to the budget)
+            assert drafts[n][: len(drafted)] == drafted, (prompt, n)
+            if i:  # the same accepted count: the next round starts where ours does
+                assert n - rounds[i - 1][0] - 1 == \
+                    next(k for k in range(4) if k == 3 or drafts[rounds[i - 1][0]][k] !=
+                         state.history[rounds[i - 1][0] + k]), (prompt, n)
+        _, uncut = transformers_rounds(prompt, committed_keys=False)
+        after = {n: uncut[i - 1] for i, (n, _) in enumerate(uncut) if i}
+        for i, (n, drafted) in enumerate(uncut):
+            if drafts[n][: len(drafted)] != drafted:
+                prev_n, prev = after[n]
+                assert n - prev_n - 1 < len(prev), (prompt, n)  # after a partial acceptance
+                partial_rounds += 1
+    assert partial_rounds > 0
