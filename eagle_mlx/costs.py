@@ -5,7 +5,9 @@ them again.
 
 A measurement runs real cycles of the engine, each option forced, after a short prefill: the
 cycle of a chain of n nodes with nothing drafted (n = 1 is a plain step) at a few n, then the
-head's options, whose cycles less the chain of as many nodes are what drafting adds. The
+head's options, whose cycles less the chain of as many nodes are what drafting adds, never
+less than the head's own proposal of that option timed alone (catching up: priced from the
+proposal timed alone after the head fell CATCH_UP_GAP passes behind). The
 engine drafts ahead as it does when generating, and the costs are the cycles' own timings,
 the ones the controller reads afterwards (from the cycle's draft to its one sync), so they
 include the host's work as generating pays it.
@@ -26,13 +28,14 @@ from typing import Callable, List, Optional, Sequence
 from .errors import EagleError
 from .outputs import user_cache
 
-COSTS_VERSION = 3
+COSTS_VERSION = 4
 VERIFY_POINTS = (1, 2, 4, 8, 16)      # chain nodes measured (interpolated between)
 MEASURE_PROMPT = 12                   # prompt tokens prefilled before measuring
 LONG_CONTEXT = 1024                   # ... before measuring again (the costs' growth)
 MIN_LONG_CONTEXT = 128                # a model whose context is shorter: measured once
 LONG_PREFILL = 4.0                    # seconds the long prompt's prefill may take, about
 SLOW_CYCLE = 0.25                     # seconds: a cycle this slow is timed once, not twice
+CATCH_UP_GAP = 16                     # plain passes the head falls behind by, to price catching up
 LINEAR = 0.9                          # cost(n) >= LINEAR * n * cost(1) from n = 4 on: larger
 #                                       n cannot pay (2 alone is too noisy to tell)
 
@@ -136,7 +139,7 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
     label, and the catching up's per position."""
     import mlx.core as mx
 
-    from .decoding.adaptive import AdaptiveDrafter, Costs, lookup_chain
+    from .decoding.adaptive import PLAIN, AdaptiveDrafter, Costs, lookup_chain
     from .decoding.engine import Engine, SamplingParams
     from .decoding.lookup import LookupSettings
 
@@ -174,6 +177,30 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
             raise EagleError("the model's context is too short to measure its costs in.")
         return runs
 
+    def drafting_alone(option, runs: int = 2) -> List[tuple]:
+        """The head's proposals of `option` timed alone over `runs` cycles, their inputs
+        evaluated first and their trees after (a sync each side: not the cycle's own
+        timing): (positions it caught up on, seconds) each."""
+        timings, propose = [], drafter.propose
+
+        def alone(st, features, tokens, root):
+            mx.eval([x for x in (features, tokens, root) if isinstance(x, mx.array)])
+            behind, start = st.pending() + (0 if tokens is None else int(tokens.shape[0])), \
+                time.perf_counter()
+            tree = propose(st, features, tokens, root)
+            mx.eval(tree.tokens, tree.anc)
+            timings.append((behind, time.perf_counter() - start))
+            return tree
+
+        drafter.propose = alone
+        state.drafter.forced = option
+        try:
+            for _ in range(runs):  # (each cycle drafts the next ahead: with `option`)
+                cycle()
+        finally:
+            del drafter.propose
+        return timings
+
     verify = {}
 
     def expected(option) -> float:  # what the points measured so far say, with room for noise
@@ -204,12 +231,23 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
                    if costs.verify(o.nodes) < LINEAR * (o.depth + 1) * costs.verify(1)]
         chains = [o for o in can_pay if o.chain]
         measured = chains[:1] + [o for o in can_pay if not o.chain] + chains[1:][-1:]
-    for i, o in enumerate(measured):
-        behind = state.drafter.pending() + 1  # (the head has not drafted yet: all of it)
-        runs = timed(o, twice=i == 0)
-        draft[o.label()] = max(min(runs[1:] or runs) - costs.verify(o.nodes), 0.0)
-        if i == 0 and len(runs) > 1:  # the first caught up on every position so far
-            catch_up = max(runs[0] - min(runs[1:]), 0.0) / max(behind - o.depth - 1, 1)
+    alone = {}
+    for o in measured:
+        runs = timed(o)
+        # a cycle less the verify of as many nodes, which noise can make near zero, and never
+        # less than the head's own drafting timed alone
+        alone[o.label()] = drafting_alone(o)
+        draft[o.label()] = max(min(runs[1:] or runs) - costs.verify(o.nodes),
+                               min(s for _, s in alone[o.label()]))
+    if measured and labels is None:  # the catching up, priced from the drafting alone too
+        o = measured[0]
+        state.drafter.forced = PLAIN
+        for _ in range(CATCH_UP_GAP):  # (the head falls behind a position a pass)
+            cycle()
+        late = drafting_alone(o, 1)
+        if late:
+            steady = min(alone[o.label()], key=lambda r: r[1])
+            catch_up = max(late[0][1] - steady[1], 0.0) / max(late[0][0] - steady[0], 1)
     state.drafter.forced = None
     return verify, draft, catch_up
 

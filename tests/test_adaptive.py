@@ -488,3 +488,39 @@ def test_the_long_measurement_fits_a_short_prefill():
     assert long_context(roomy, Costs({1: 0.02, 16: 0.25})) == int(LONG_PREFILL * rate)
     slow = Costs({1: 0.05, 2: 0.1, 4: 0.2})
     assert LONG_PREFILL * 4 / 0.2 < MIN_LONG_CONTEXT and long_context(roomy, slow) == 0
+
+
+def test_draft_costs_are_never_below_the_heads_own_drafting(pair, tmp_path, monkeypatch):
+    """A machine loaded while the verify points are measured (every lookup chain's cycle,
+    plain passes included, 40 ms slower) makes a head cycle less the verify of as many nodes
+    negative; each head option is still charged at least its own drafting timed alone (the
+    head's forward here sleeps 10 ms a call and 3 ms a position it reads, so a chain of d
+    costs at least 10 ms x d: its first level comes with the catching up), and catching up is priced at about its 3 ms a position
+    from the drafting alone, not from two cycles' difference."""
+    import time
+
+    from eagle_mlx.costs import head_options, measure
+    from eagle_mlx.decoding.adaptive import _parse_label
+
+    target, head = pair
+    model, _ = eagle_mlx.load(str(target), eagle=str(head))
+    head_call, propose = type(model.head).__call__, AdaptiveDrafter.propose
+
+    def slow_head(self, features, tokens, *args, **kwargs):
+        time.sleep(0.01 + 0.003 * int(tokens.shape[-1]))
+        return head_call(self, features, tokens, *args, **kwargs)
+
+    def loaded(self, state, *args):
+        if state.forced is not None and state.forced.kind == "lookup":
+            time.sleep(0.04)
+        return propose(self, state, *args)
+
+    monkeypatch.setattr(type(model.head), "__call__", slow_head)
+    monkeypatch.setattr(AdaptiveDrafter, "propose", loaded)
+    monkeypatch.setattr("eagle_mlx.costs.long_context", lambda target, short=None: 0)
+    costs = measure(model, head_options(model))
+    assert costs.draft_costs
+    for label, seconds in costs.draft_costs.items():
+        option = _parse_label(label)
+        assert seconds >= 0.01 * option.depth, (label, seconds)
+    assert 0.002 < costs.catch_up < 0.006, costs.catch_up
