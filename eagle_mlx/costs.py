@@ -117,18 +117,18 @@ def measure(model, options: Sequence, kv=None):
         from dataclasses import replace
 
         kv = replace(kv, start=0)
-    verify, draft, catch_up = _measure_at(model, options, MEASURE_PROMPT, kv=kv)
+    verify, draft, catch_up, spread = _measure_at(model, options, MEASURE_PROMPT, kv=kv)
     short = Costs(verify, draft, catch_up, MEASURE_PROMPT)
     longer, at = None, long_context(model.target, short)
     if at:
         ns = sorted(verify)  # (the first, a middle and the last: a line)
-        long_verify, long_draft, _ = _measure_at(
+        long_verify, long_draft, _, _ = _measure_at(
             model, options, at, points=sorted({ns[0], ns[len(ns) // 2], ns[-1]}),
             labels=set(draft), kv=kv)
         window = draft_window(model.head)
         longer = {"at": at, "draft_at": at if window is None else min(at, window),
                   "draft_window": window, "verify": long_verify, "draft": long_draft}
-    return Costs(verify, draft, catch_up, MEASURE_PROMPT, longer)
+    return Costs(verify, draft, catch_up, MEASURE_PROMPT, longer, spread)
 
 
 def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=None,
@@ -136,7 +136,7 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
     """The costs after a prompt of `prompt_len` tokens: the chains of nothing drafted at
     VERIFY_POINTS (`points`: at these), then the head's options whose verify leaves room to
     pay (`labels`: those). Returns the seconds by chain size, the drafting's by option
-    label, and the catching up's per position."""
+    label, the catching up's per position, and the spread of each verify point's runs."""
     import mlx.core as mx
 
     from .decoding.adaptive import PLAIN, AdaptiveDrafter, Costs, lookup_chain
@@ -201,7 +201,7 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
             del drafter.propose
         return timings
 
-    verify = {}
+    verify, spread = {}, {}
 
     def expected(option) -> float:  # what the points measured so far say, with room for noise
         if len(verify) < 2 or option.kind != "lookup":
@@ -213,7 +213,9 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
         if n - 1 > drafter.max_lookup:
             break
         runs = timed(lookup_chain(n - 1))
-        verify[n] = min(runs[1:] or runs)
+        kept = runs[1:] or runs
+        verify[n] = min(kept)
+        spread[n] = (max(kept) - verify[n]) / max(verify[n], 1e-9)
         if points is None and n >= 4 and verify[n] >= LINEAR * n * verify[1]:
             break  # (the cost grows as fast as the tokens: longer chains cannot pay)
     low = 0.0  # (a larger chain never costs less: what noise says otherwise is evened out)
@@ -249,7 +251,7 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
             steady = min(alone[o.label()], key=lambda r: r[1])
             catch_up = max(late[0][1] - steady[1], 0.0) / max(late[0][0] - steady[0], 1)
     state.drafter.forced = None
-    return verify, draft, catch_up
+    return verify, draft, catch_up, spread
 
 
 def model_costs(model, refresh: bool = False,
@@ -267,4 +269,7 @@ def model_costs(model, refresh: bool = False,
         costs = measure(model, head_options(model), kv)
         write_costs(model, costs, kv)
         say(f"eagle_mlx: measured in {time.perf_counter() - start:.1f} s.")
+    from .decoding.adaptive import Recheck
+
+    costs.recheck = Recheck(costs, save=lambda c: write_costs(model, c, kv))
     return costs

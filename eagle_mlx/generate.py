@@ -76,7 +76,11 @@ def _main(argv) -> int:
     except EagleError as e:
         raise UsageError(str(e)) from None
     print()
-    print_stats(last, costs=model.costs_in_use(settings.kv))
+    costs = model.costs_in_use(settings.kv)
+    print_stats(last, costs=costs)
+    if args.verbose and costs is not None and costs.recheck is not None:
+        for note in costs.recheck.notes:
+            print(f"[{note}]", file=sys.stderr)
     warning = acceptance_warning(model, last, settings.temp)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)

@@ -524,3 +524,56 @@ def test_draft_costs_are_never_below_the_heads_own_drafting(pair, tmp_path, monk
         option = _parse_label(label)
         assert seconds >= 0.01 * option.depth, (label, seconds)
     assert 0.002 < costs.catch_up < 0.006, costs.catch_up
+
+
+def test_costs_measured_on_a_loaded_machine_are_noticed_and_measured_again(pair, tmp_path,
+                                                                           monkeypatch):
+    """A costs cache whose passes all cost 10x what they do now (measured while the machine
+    was loaded) is noticed by the first plain passes and its points are timed again as
+    cycles of the next generation, within its first 64 tokens: every point comes down by more
+    than half (a shared machine's noise is within that), kept in the cache, `notes` says
+    why, and the tokens
+    are plain decoding's. A point whose runs spread when it was measured is timed again even
+    where plain passes agree with the costs. A generation that samples never times again (a
+    seed repeats)."""
+    from eagle_mlx.costs import costs_path, model_costs, read_costs
+
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path))
+    target, _ = pair
+    model, tok = eagle_mlx.load(str(target))
+    tok.eos_token_ids = set()
+    fresh = model_costs(model, say=lambda m: None)
+    prompt = [1, 5, 9, 13, 7, 22, 31, 3, 18, 27, 11, 60]
+    plain = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=64,
+                                                  speculate=False) for t in r.tokens]
+
+    def cached(scale, spread=None):
+        loaded = Costs.fromdict(fresh.asdict())
+        loaded.verify_points = [(n, s * scale.get(n, scale.get(0, 1.0)))
+                                for n, s in loaded.verify_points]
+        loaded.spread = spread or {}
+        costs_path(model).write_text(__import__("json").dumps({"costs": loaded.asdict()}))
+        model.measured = None  # (read from the cache file, as a new process reads it)
+        return model.costs()
+
+    costs = cached({0: 10.0})
+    sampled = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=64,
+                                                    temp=0.8, seed=5) for t in r.tokens]
+    assert not costs.recheck.plain and not costs.recheck.done
+    assert [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=64,
+                                                 temp=0.8, seed=5) for t in r.tokens] == sampled
+    out = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=64)
+           for t in r.tokens]
+    assert out == plain
+    assert costs.recheck.done and len(costs.recheck.notes) == 1, costs.recheck.notes
+    assert "plain passes ran" in costs.recheck.notes[0]
+    for (n, s), (_, truth) in zip(costs.verify_points, fresh.verify_points):
+        assert s < 0.5 * 10 * truth, (n, s, truth)
+    assert read_costs(model).verify_points == costs.verify_points
+    costs = cached({2: 10.0}, spread={2: 0.9})
+    assert [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=64)
+            for t in r.tokens] == plain
+    assert costs.recheck.done and "spread 90%" in " ".join(costs.recheck.notes)
+    assert costs.verify(2) < 0.5 * 10 * fresh.verify(2)
+    if "plain passes ran" not in " ".join(costs.recheck.notes):  # (the others as they were)
+        assert costs.verify_points[2:] == fresh.verify_points[2:]

@@ -46,6 +46,10 @@ HEAD_CHAINS = (1, 2, 3, 4, 6)                # head chains of this many drafted 
 DRIFT_RATE = 0.2       # weight of a plain pass's timing in the drift of every option's cost
 NODE_RATE = 0.3        # ... of a lookup chain's in the cost of a node beyond the curve
 RESIDUAL_RATE = 0.3    # ... of a head option's in the correction of its own
+SPREAD_BOUND = 0.3     # a verify point whose runs spread more (relative) is timed again
+DISAGREE = 1.25        # ... as are all where plain passes run this much off what costs say
+PLAIN_SAMPLES = 6      # plain passes compared with the costs (their median)
+RECHECK_EVERY = 2      # cycles from one point timed again to the next (decoding goes on)
 
 
 @dataclass(frozen=True)
@@ -167,8 +171,12 @@ class Costs:
     and per head option a residual, what its measurement missed."""
 
     def __init__(self, verify: Dict[int, float], draft: Optional[Dict[str, float]] = None,
-                 catch_up: float = 0.0, at: int = 0, longer: Optional[dict] = None):
+                 catch_up: float = 0.0, at: int = 0, longer: Optional[dict] = None,
+                 spread: Optional[Dict[int, float]] = None):
         self.verify_points = sorted((int(n), float(s)) for n, s in verify.items())
+        # each verify point's runs, (slowest - fastest) / fastest, as measured
+        self.spread = {int(n): float(v) for n, v in (spread or {}).items()}
+        self.recheck: Optional["Recheck"] = None  # (the measured costs': `Recheck`)
         self.draft_costs = dict(draft or {})
         self.catch_up = catch_up
         self.at = int(at)
@@ -294,7 +302,8 @@ class Costs:
 
     def asdict(self) -> dict:
         out = {"verify": {str(n): s for n, s in self.verify_points},
-               "draft": dict(self.draft_costs), "catch_up": self.catch_up, "at": self.at}
+               "draft": dict(self.draft_costs), "catch_up": self.catch_up, "at": self.at,
+               "spread": {str(n): v for n, v in self.spread.items()}}
         if self.longer is not None:
             out["longer"] = {"at": self.longer["at"], "draft_at": self.longer["draft_at"],
                              "draft_window": self.longer["draft_window"],
@@ -306,7 +315,19 @@ class Costs:
     def fromdict(cls, d: dict) -> "Costs":
         return cls({int(n): float(s) for n, s in d["verify"].items()},
                    {str(k): float(v) for k, v in d.get("draft", {}).items()},
-                   float(d.get("catch_up", 0.0)), int(d.get("at", 0)), d.get("longer"))
+                   float(d.get("catch_up", 0.0)), int(d.get("at", 0)), d.get("longer"),
+                   {int(n): float(v) for n, v in d.get("spread", {}).items()})
+
+    def rescaled(self, ratios: Dict[int, float]) -> None:
+        """The verify points timed again times their ratio to what they were (`ratios`, by
+        node count): what a loaded machine had made them, corrected; the others, the growth
+        with the context and the drafting costs stay."""
+        points, low = [], 0.0  # (a larger chain never costs less)
+        for n, s in self.verify_points:
+            low = max(s * ratios.get(n, 1.0), low)
+            points.append((n, low))
+        self.verify_points = points
+        self.spread = {n: v for n, v in self.spread.items() if n not in ratios}
 
 
 @dataclass
@@ -462,6 +483,71 @@ class Controller:
             self._survival(o).update(o.depth, n)
 
 
+class Recheck:
+    """The measured costs checked while decoding, once in a process: a verify point whose
+    runs spread beyond SPREAD_BOUND when it was measured, or every point where the first
+    PLAIN_SAMPLES plain passes run DISAGREE times off what the costs say (a measurement
+    taken while the machine was loaded, or before it was), is timed again as a cycle of
+    decoding every RECHECK_EVERY cycles (a chain of that many nodes; the tokens are what
+    they would be), never blocking. Where a point then disagrees beyond DISAGREE, the
+    points are corrected (`Costs.rescaled`), kept (`save`), and `notes` says so."""
+
+    def __init__(self, costs: Costs, save=None):
+        self.costs, self.save = costs, save
+        self.queue = sorted(n for n, v in costs.spread.items() if v > SPREAD_BOUND and n > 1)
+        self.why = {n: f"its runs spread {costs.spread[n]:.0%} when measured"
+                    for n in self.queue}
+        self.plain: List[float] = []   # plain passes' seconds over what the costs say
+        self.timed: Dict[int, float] = {}  # node count -> seconds over what the costs say
+        self.done = False
+        self.notes: List[str] = []
+
+    def due(self, cycles: int) -> Optional[int]:
+        """The node count to time now, `cycles` cycles into a generation (None: none)."""
+        if self.done or not self.queue or cycles % RECHECK_EVERY:
+            return None
+        return self.queue[0]
+
+    def plain_pass(self, seconds: float, context: int) -> None:
+        """A plain pass took `seconds` at `context` positions."""
+        if self.done or len(self.plain) >= PLAIN_SAMPLES:
+            return
+        self.plain.append(seconds / self.costs.verify(1, context))
+        if len(self.plain) < PLAIN_SAMPLES:
+            return
+        ratio = sorted(self.plain)[PLAIN_SAMPLES // 2]
+        if not 1 / DISAGREE <= ratio <= DISAGREE:
+            self.timed.setdefault(1, ratio)
+            for n, _ in self.costs.verify_points:
+                self.why.setdefault(n, f"plain passes ran {ratio:.2f}x the costs")
+            self.queue = sorted({n for n, _ in self.costs.verify_points} | set(self.queue)
+                                - set(self.timed))
+        self._settle()
+
+    def point(self, nodes: int, seconds: float, context: int) -> bool:
+        """A cycle of `nodes` nodes timed again took `seconds`: whether the costs changed."""
+        self.queue = [n for n in self.queue if n != nodes]
+        self.timed[nodes] = seconds / self.costs.verify(nodes, context)
+        return self._settle()
+
+    def _settle(self) -> bool:
+        """Once every point queued is timed and the plain passes are in: the costs
+        corrected where a point disagrees (whether they were)."""
+        if self.done or self.queue or len(self.plain) < PLAIN_SAMPLES:
+            return False
+        self.done = True
+        off = {n: r for n, r in self.timed.items() if not 1 / DISAGREE <= r <= DISAGREE}
+        if not off:
+            return False
+        self.costs.rescaled(self.timed)
+        self.notes.append("costs measured again while decoding (" + "; ".join(
+            f"a pass of {n} took {r:.2f}x the cached cost, {self.why.get(n, 'timed again')}"
+            for n, r in sorted(off.items())) + ")")
+        if self.save is not None:
+            self.save(self.costs)
+        return True
+
+
 # ---------------------------------------------------------------------------- the drafter
 class AdaptiveState:
     """One sequence's state under the adaptive drafter: the head's (None without a head),
@@ -477,6 +563,9 @@ class AdaptiveState:
         self.forced: Optional[Option] = None  # every cycle drafts this (measuring its cost)
         self.seconds: Optional[float] = None  # what the latest cycle took
         self.decided: Optional[Choice] = None  # the next cycle's choice, made ahead
+        self.cycles = 0                        # cycles so far in this generation
+        self.rechecking: Optional[int] = None  # the verify point this cycle times again
+        self.timed = False                     # whether its cycles are timed (greedy)
 
     def pending(self) -> int:
         return sum(int(t.shape[0]) for t in self.tokens)
@@ -515,6 +604,7 @@ class AdaptiveDrafter(Drafter):
         self.max_depth = max([o.depth for o in self.head_options] +
                              [self.max_lookup if lookup is not None else 0, 1])
         self.head_prior = head_prior
+        self.recheck = costs.recheck  # (None: costs given as they are, not measured here)
 
     @property
     def owner(self):
@@ -537,7 +627,7 @@ class AdaptiveDrafter(Drafter):
     def begin(self, state) -> None:
         """A generation starts (perhaps on a prompt cache's state): its choices start afresh,
         as they would alone."""
-        state.controller, state.choice = self._controller(), None
+        state.controller, state.choice, state.cycles = self._controller(), None, 0
 
     def offset(self, state) -> int:
         if self.head is None:
@@ -578,8 +668,15 @@ class AdaptiveDrafter(Drafter):
             found = state.lookup.automaton.continuations(s.min_match, self.max_lookup, 1)
             if found:
                 match, copied = found[0]
+        state.rechecking = None
+        recheck = self._recheck_due(state)
         if state.decided is not None:
             choice, state.decided = state.decided, None
+        elif recheck is not None:  # (a verify point timed again: a chain of that many nodes)
+            state.rechecking = recheck
+            o = lookup_chain(recheck - 1)
+            copied = (copied + [int(root.item())] * o.depth)[: o.depth]
+            choice = Choice(o, 0.0, 0.0, match, copied, context=self._context(state))
         elif state.forced is None:
             pending = state.pending() + int(tokens.shape[0]) if self.head is not None else 0
             context = self._context(state)
@@ -619,6 +716,8 @@ class AdaptiveDrafter(Drafter):
         further behind."""
         if state.forced is not None:
             return state.forced == PLAIN
+        if self._recheck_due(state, 1) is not None:
+            return False
         c = state.controller
         pending = state.pending() + 2 if self.head is not None else 0
         matches = [0]
@@ -647,10 +746,30 @@ class AdaptiveDrafter(Drafter):
         n = len(state.lookup.automaton.tokens) + ahead
         return n if self.max_kv_size is None else min(n, self.max_kv_size)
 
+    def _recheck_due(self, state, ahead: int = 0) -> Optional[int]:
+        """The verify point to time again `ahead` cycles after the next (None: none; only
+        where the chain fits what lookup may draft)."""
+        if state.forced is not None or self.recheck is None or self.recheck.done or \
+                not state.timed:
+            return None  # (sampling: choices follow only what repeats with a seed)
+        n = self.recheck.due(state.cycles + ahead)
+        return n if n is not None and n - 1 <= self.max_lookup else None
+
     def observe(self, state, accepted: List[int], seconds: Optional[float]) -> None:
         state.seconds = seconds
-        if state.choice is not None and state.forced is None:
-            state.controller.update(state.choice, accepted, seconds)
+        state.cycles += 1
+        state.timed = seconds is not None
+        if state.choice is None or state.forced is not None:
+            return
+        context = state.choice.context if state.choice.context is not None else \
+            self._context(state)
+        if state.rechecking is not None:  # (greedy: timed; sampling: never chosen by time)
+            if seconds is not None and self.recheck.point(state.rechecking, seconds, context):
+                state.controller.costs = self.costs.copy()  # (the corrected points)
+            return
+        if seconds is not None and state.choice.option == PLAIN and self.recheck is not None:
+            self.recheck.plain_pass(seconds, context)
+        state.controller.update(state.choice, accepted, seconds)
 
     def chosen(self, state) -> Optional[str]:
         return None if state.choice is None else state.choice.option.label()
