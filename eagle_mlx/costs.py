@@ -140,14 +140,15 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
     import mlx.core as mx
 
     from .decoding.adaptive import PLAIN, AdaptiveDrafter, Costs, lookup_chain
-    from .decoding.engine import Engine, SamplingParams
+    from .decoding.engine import Engine, SamplingParams, generation_stream
     from .decoding.lookup import LookupSettings
 
     target = model.target
     drafter = AdaptiveDrafter(Costs({1: 1.0}), target, model.head, options, LookupSettings(),
-                              node_limit=target.tree_node_limit())
-    engine = Engine(target, drafter, SamplingParams(), target.max_context, pipeline=True,
-                    kv=kv)
+                              node_limit=target.tree_node_limit(),
+                              group=getattr(model, "group", None))  # (ranks in step)
+    engine = Engine(target, drafter, SamplingParams(), target.max_context,
+                    pipeline=drafter.group is None, kv=kv)  # (as `speculative_steps` runs)
     state = engine.new_state()
     V = target.vocab_size
     prompt = [(7 + 7919 * i) % V for i in range(prompt_len)]
@@ -251,6 +252,9 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
             steady = min(alone[o.label()], key=lambda r: r[1])
             catch_up = max(late[0][1] - steady[1], 0.0) / max(late[0][0] - steady[0], 1)
     state.drafter.forced = None
+    mx.synchronize(generation_stream)  # (nothing left running: a pass drafted ahead is, and
+    #                                     under mx.distributed its collectives would meet the
+    #                                     ranks' next ones)
     return verify, draft, catch_up, spread
 
 
@@ -259,17 +263,27 @@ def model_costs(model, refresh: bool = False,
                 kv=None):
     """The model's costs on this machine: from the cache, else measured now (a few seconds,
     announced in one line) and cached. refresh: measure again; kv: with the caches quantized
-    so (a KVQuantization)."""
+    so (a KVQuantization). Under mx.distributed every rank takes rank 0's: read from its
+    cache, or measured by all ranks together (each cycle timed by rank 0)."""
+    from .decoding.adaptive import Costs, Recheck
+    from .distributed import share_text
+
+    g = getattr(model, "group", None)
     costs = None if refresh else read_costs(model, kv)
+    if g is not None:
+        shared = share_text(g, "" if costs is None else json.dumps(costs.asdict()))
+        costs = Costs.fromdict(json.loads(shared)) if shared else None
     if costs is None:
         packed = "" if kv is None else f" with {kv.bits}-bit KV caches"
         say(f"eagle_mlx: measuring this machine's speculation costs for this model{packed} "
             f"(once; kept in {user_cache('costs')}) ...")
         start = time.perf_counter()
         costs = measure(model, head_options(model), kv)
-        write_costs(model, costs, kv)
+        if g is not None:
+            costs = Costs.fromdict(json.loads(share_text(g, json.dumps(costs.asdict()))))
+        if g is None or g.rank() == 0:
+            write_costs(model, costs, kv)
         say(f"eagle_mlx: measured in {time.perf_counter() - start:.1f} s.")
-    from .decoding.adaptive import Recheck
-
-    costs.recheck = Recheck(costs, save=lambda c: write_costs(model, c, kv))
+    costs.recheck = Recheck(costs, save=None if g is not None and g.rank() != 0 else
+                            lambda c: write_costs(model, c, kv))
     return costs

@@ -76,7 +76,8 @@ class EagleModel:
                                node_limit=self.target.tree_node_limit(),
                                depth_limit=None if max_kv_size is None else max_kv_size - 4,
                                max_kv_size=max_kv_size,
-                               kv_costs=None if kv is None else (self.costs(kv), kv.start))
+                               kv_costs=None if kv is None else (self.costs(kv), kv.start),
+                               group=self.group)
 
     @property
     def speculates(self) -> bool:

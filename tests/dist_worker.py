@@ -8,8 +8,10 @@ import sys
 import eagle_mlx
 from eagle_mlx import distributed
 
-# (sampling, speculative or plain): greedy both ways, sampling with a seed
-CASES = [(dict(temp=0.0), True), (dict(temp=0.0), False), (dict(temp=0.7, top_k=5, seed=11), True)]
+# (sampling, speculate): greedy speculative, plain and adaptive (rank 0's costs and timings
+# on every rank), sampling with a seed
+CASES = [(dict(temp=0.0), True), (dict(temp=0.0), False), (dict(temp=0.7, top_k=5, seed=11), True),
+         (dict(temp=0.0), "auto")]
 PROMPT, MAX_TOKENS = [5, 9, 11, 20], 12
 
 
@@ -20,9 +22,10 @@ def run(pairs, out):
     for name, (target, head) in pairs.items():
         model, tok = eagle_mlx.load(target, eagle=head, group=group)
         for i, (case, speculate) in enumerate(CASES):
-            rs = eagle_mlx.stream_generate(model, tok, PROMPT, max_tokens=MAX_TOKENS,
-                                           speculate=speculate, **case)
+            rs = list(eagle_mlx.stream_generate(model, tok, PROMPT, max_tokens=MAX_TOKENS,
+                                                speculate=speculate, **case))
             results[f"{name}/{i}"] = [t for r in rs for t in r.tokens]
+            results[f"{name}/{i}/passes"] = rs[-1].passes  # (auto: the same on every rank)
         # a sampled generation without a seed: the ranks agree on one
         results[f"{name}/unseeded"] = [t for r in eagle_mlx.stream_generate(
             model, tok, [7, 8], max_tokens=20, temp=1.0) for t in r.tokens]

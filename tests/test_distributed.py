@@ -61,7 +61,9 @@ def pairs(tmp_path_factory):
 @pytest.mark.long
 def test_two_ranks_generate_what_one_process_generates(pairs, tmp_path, capsys, monkeypatch):
     """The API with a group (EAGLE-1 on Llama, EAGLE-3 on Qwen3; greedy, seeded and unseeded
-    sampling, plain decoding), then `eagle_mlx.generate`'s command line, on 2 ranks."""
+    sampling, plain decoding, adaptive speculation with its costs measured by the ranks
+    together: the same passes on both), then `eagle_mlx.generate`'s command line (auto), on
+    2 ranks."""
     root, named = pairs
     args = [a for name, (t, h) in named.items() for a in (name, str(t), str(h))]
     target, head = named["llama-eagle1"]
@@ -71,7 +73,7 @@ def test_two_ranks_generate_what_one_process_generates(pairs, tmp_path, capsys, 
     two = launch([str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), *args, "--cli", *cli])
     assert two.returncode == 0, two.stderr
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0] == ranks[1]  # the ranks never diverge (seeded or not)
+    assert ranks[0] == ranks[1]  # the ranks never diverge (seeded or not; auto's passes)
     for name, (target, head) in named.items():
         model, tok = eagle_mlx.load(str(target), eagle=str(head))
         for i, (case, speculate) in enumerate(CASES):

@@ -582,12 +582,14 @@ class AdaptiveDrafter(Drafter):
                  head_options: Sequence[Option] = (), lookup: Optional[LookupSettings] = None,
                  head_prior: Optional[float] = None, node_limit: Optional[int] = None,
                  depth_limit: Optional[int] = None, max_kv_size: Optional[int] = None,
-                 kv_costs: Optional[tuple] = None):
+                 kv_costs: Optional[tuple] = None, group=None):
         """node_limit: the most nodes a tree may have; depth_limit: the most levels, the
         root's included (a bounded cache's window); max_kv_size: the most positions the
         target's caches hold (a bounded cache: its cost stops growing there); kv_costs:
         (the costs with quantized caches, the position from which the caches are
-        quantized), which a sequence's choices take from there on."""
+        quantized), which a sequence's choices take from there on; group: the
+        `mx.distributed` group the target is sharded over, whose ranks all take rank 0's
+        timing of every cycle, so they choose alike (their costs are rank 0's too)."""
         self.costs, self.target, self.head = costs, target, head
         self.max_kv_size = max_kv_size
         self.kv_costs = kv_costs
@@ -605,6 +607,7 @@ class AdaptiveDrafter(Drafter):
                              [self.max_lookup if lookup is not None else 0, 1])
         self.head_prior = head_prior
         self.recheck = costs.recheck  # (None: costs given as they are, not measured here)
+        self.group = group
 
     @property
     def owner(self):
@@ -756,6 +759,9 @@ class AdaptiveDrafter(Drafter):
         return n if n is not None and n - 1 <= self.max_lookup else None
 
     def observe(self, state, accepted: List[int], seconds: Optional[float]) -> None:
+        if self.group is not None and seconds is not None:  # (rank 0's, on every rank)
+            mine = seconds if self.group.rank() == 0 else 0.0
+            seconds = mx.distributed.all_sum(mx.array([mine]), group=self.group).item()
         state.seconds = seconds
         state.cycles += 1
         state.timed = seconds is not None

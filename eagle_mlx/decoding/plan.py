@@ -142,9 +142,8 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
     alone = lookup is not None and model.head is None
     explicit = any(x is not None for x in (total_tokens, depth, draft_top_k, tree_choices))
     # adaptive (where there is something to draft with): plain, lookup or the head, chosen
-    # every cycle; under mx.distributed the ranks' timings differ, so the fixed choice
+    # every cycle (under mx.distributed from rank 0's costs and timings, on every rank)
     auto = s.speculate == "auto" and not explicit and \
-        getattr(model, "group", None) is None and \
         (model.head is not None or getattr(model, "auto_lookup", None) is not None)
     tree = None if alone or auto else tree_plan(
         model, total_tokens, depth, draft_top_k, tree_choices,

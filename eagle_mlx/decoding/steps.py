@@ -188,9 +188,12 @@ def speculative_steps(target, drafter, prompt: Sequence[int], sampling: Sampling
     and verify the next cycle before the caller has this one's tokens (`Engine`); default:
     where nothing is profiled, and with a prompt cache only where every layer's cache can be
     cut back (the caches then hold the pass drafted ahead too, which the next call's `reuse`
-    cuts off; a recurrent state cannot be)."""
+    cuts off; a recurrent state cannot be), and not under mx.distributed (a pass running
+    ahead would meet, with its collectives, what rank 0 sends the others between
+    responses)."""
     if pipeline is None:
-        pipeline = timer is None and (prompt_cache is None or not target.node_state_bytes)
+        pipeline = timer is None and (prompt_cache is None or not target.node_state_bytes) \
+            and getattr(drafter, "group", None) is None
     engine = Engine(target, drafter, sampling, max_context or target.max_context, logprobs,
                     pipeline=pipeline, kv=kv, split_prompt=max_kv_size is not None)
     pc = prompt_cache if prompt_cache is not None else PromptCache()
