@@ -577,3 +577,27 @@ def test_costs_measured_on_a_loaded_machine_are_noticed_and_measured_again(pair,
     assert costs.verify(2) < 0.5 * 10 * fresh.verify(2)
     if "plain passes ran" not in " ".join(costs.recheck.notes):  # (the others as they were)
         assert costs.verify_points[2:] == fresh.verify_points[2:]
+
+
+def test_plain_passes_decided_ahead_copy_no_cache(pair, monkeypatch):
+    """A plain pass decided ahead runs on the caches as they are: the caches are
+    snapshotted (every layer's buffers copied) only where the next pass may still be
+    forgotten, not on every pass of a generation that decodes plainly throughout — and the
+    tokens are plain decoding's."""
+    from eagle_mlx.targets.cache import TreeKVCache
+
+    target, head = pair
+    model, tok = eagle_mlx.load(str(target), eagle=str(head))
+    tok.eos_token_ids = set()
+    model.measured = Costs({1: 1.0, 2: 2.0, 4: 4.0, 16: 16.0}, {"head chain 1": 5.0})
+    prompt = [1, 5, 9, 13, 7]
+    plain = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40,
+                                                  speculate=False) for t in r.tokens]
+    copies = []
+    snapshot = TreeKVCache.snapshot
+    monkeypatch.setattr(TreeKVCache, "snapshot",
+                        lambda self: copies.append(1) or snapshot(self))
+    rs = list(eagle_mlx.stream_generate(model, tok, prompt, max_tokens=40))
+    assert [t for r in rs for t in r.tokens] == plain
+    assert rs[-1].passes == {"plain": 39}
+    assert len(copies) <= model.target.num_layers, len(copies)  # (at most one pass's)

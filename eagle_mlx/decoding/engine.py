@@ -200,7 +200,7 @@ class Engine:
             ahead = self.pipeline and self.drafter.drafts_ahead and \
                 not self._before_switch(state)
             decided = self.decides_plain(state, tree)  # (pipelined or not: the same choices)
-            nxt = self.prebuild(state, tree, accepted) if ahead else None
+            nxt = self.prebuild(state, tree, accepted, keep=not decided) if ahead else None
             started = nxt is not None and decided
             if started:  # the next plain pass runs on the token before the host knows it
                 nxt = (nxt[0], None)  # (the snapshot would keep the old buffers from reuse)
@@ -236,17 +236,18 @@ class Engine:
         return tree.tokens.shape[0] == 1 and not self.target.node_state_bytes and \
             state.n + 1 + self.drafter.max_depth < self.max_context
 
-    def prebuild(self, state: State, tree: Tree, accepted) -> Optional[tuple]:
+    def prebuild(self, state: State, tree: Tree, accepted, keep: bool = True
+                 ) -> Optional[tuple]:
         """Where this cycle is a plain pass (the root alone, its row kept in place), the
         next plain pass's graph, built on the token not yet computed while the device
         computes it, as mlx-lm's plain decoding builds each step: (verified, the caches'
-        snapshot to forget it by, should the drafter choose otherwise). None elsewhere."""
-        if not self._plain_follows(state, tree):
+        snapshot to forget it by, should the drafter choose otherwise; None where `keep` is
+        False: the drafter has decided on it already, and a snapshot copies every layer's
+        buffers). None elsewhere."""
+        if not self._plain_follows(state, tree) or not self.target.snapshots(state.caches):
             return None
         self.target.accept(state.caches, state.n, [state.n])  # (in place: nothing moves)
-        saved = self.target.snapshot(state.caches)
-        if saved is None:
-            return None
+        saved = self.target.snapshot(state.caches) if keep else None
         return self.plain_pass(state, accepted[1].reshape(1)), saved
 
     def ahead(self, state: State, prebuilt: Optional[tuple] = None,

@@ -57,8 +57,9 @@ class TreeKVCache(KVCache):
 
     def snapshot(self) -> dict:
         """What `restore` needs to undo the updates made after this call. The buffers are
-        written in place (mlx-lm's `update_and_fetch`), so the cache goes on with new array
-        objects over the same data (no copy): the writes change those, not the snapshot's."""
+        written in place (mlx-lm's `update_and_fetch`), so the cache goes on with copies of
+        them: the writes change those, and a forgotten update is never computed (a copy of
+        every buffer: for what may be forgotten only)."""
         saved = dict(vars(self))
         if self.keys is not None:
             self.keys, self.values = mx.array(self.keys), mx.array(self.values)

@@ -174,12 +174,16 @@ class Target:
             m.accept(c, start, rows)
 
     @staticmethod
-    def snapshot(caches) -> Optional[list]:
+    def snapshots(caches) -> bool:
+        """Whether every cache can `snapshot` (not a recurrent state, not a bounded one)."""
+        return all(isinstance(c, (TreeKVCache, QuantizedTreeKVCache)) for c in caches)
+
+    @classmethod
+    def snapshot(cls, caches) -> Optional[list]:
         """What `restore` needs to forget the updates made to `caches` after this call (a
-        forward built but not evaluated); None where a cache cannot (a recurrent state)."""
-        if not all(isinstance(c, (TreeKVCache, QuantizedTreeKVCache)) for c in caches):
-            return None
-        return [c.snapshot() for c in caches]
+        forward built but not evaluated; it copies every buffer); None where a cache cannot
+        (`snapshots`)."""
+        return [c.snapshot() for c in caches] if cls.snapshots(caches) else None
 
     @staticmethod
     def quantize(caches, kv) -> bool:
