@@ -4,7 +4,9 @@ the context grows.
 Prompts are made long with real text: a ShareGPT conversation history before an MT-bench
 question ("chat"), or HumanEval files before a HumanEval function to complete ("code"), cut
 from the front to the length asked for. At every length, each prompt is decoded plainly,
-with the head's tree and with adaptive speculation (interleaved, each first by turns), with
+with the head's tree, with adaptive speculation and with adaptive speculation under costs
+that make nothing pay ("auto, plain": the engine's own plain passes, against mlx-lm's
+`generate_step`) (interleaved, each first by turns), with
 float KV caches and, with `--kv-bits`, quantized ones; per length and cache: tokens/s of
 each (from the prefill's token on) and their ratio to plain decoding's, tau, prefill
 tokens/s, peak memory, whether the text is plain decoding's (greedy), what auto chose; and
@@ -17,6 +19,7 @@ import gzip
 import json
 import statistics
 import sys
+from contextlib import contextmanager
 from typing import List, Optional, Sequence, Tuple
 
 
@@ -164,6 +167,8 @@ def context_report(model, tokenizer, args, lengths: Sequence[int]) -> dict:
     if model.head is not None:
         modes["tree"] = dict(speculate=True, **shape)
     modes["auto"] = dict(speculate="auto")
+    if _adaptive(model):  # (the engine's plain passes, against mlx-lm's: `PLAIN_COSTS`)
+        modes["auto, plain"] = dict(speculate="auto")
     from .benchmark import timed_generation
 
     kvs: List[Optional[KVQuantization]] = [None] + ([args.kv] if args.kv is not None else [])
@@ -191,7 +196,8 @@ def context_report(model, tokenizer, args, lengths: Sequence[int]) -> dict:
                 for m in order:
                     s = GenerationSettings(max_tokens=args.max_tokens, temp=temp,
                                            seed=args.seed + i, **modes[m], **kv_args)
-                    row[m] = timed_generation(model, tokenizer, ids, settings=s)
+                    with plain_costs(model, kv, m == "auto, plain"):
+                        row[m] = timed_generation(model, tokenizer, ids, settings=s)
                 for m in modes:
                     if m != "plain" and temp == 0:
                         row[m]["identical"] = row[m]["tokens"] == row["plain"]["tokens"]
@@ -205,6 +211,31 @@ def context_report(model, tokenizer, args, lengths: Sequence[int]) -> dict:
             _print(length, name, summary)
         report["lengths"][str(length)] = per_kv
     return report
+
+
+# costs under which nothing pays (every pass costs what its tokens would plainly): auto then
+# decodes plainly throughout, through the engine's cycle, so its speed against plain
+# decoding's (mlx-lm's `generate_step`) is what the engine's plain pass costs beyond it
+PLAIN_COSTS = {1: 1.0, 2: 2.0, 4: 4.0, 16: 16.0}
+
+
+@contextmanager
+def plain_costs(model, kv: Optional[KVQuantization], on: bool):
+    """While inside, where `on`, the model's costs (float and `kv`'s) are PLAIN_COSTS."""
+    if not on:
+        yield
+        return
+    from .decoding.adaptive import Costs
+
+    key = None if kv is None else (kv.bits, kv.group_size)
+    saved = model.measured, dict(model.measured_kv)
+    model.measured = Costs(PLAIN_COSTS)
+    if key is not None:
+        model.measured_kv[key] = Costs(PLAIN_COSTS)
+    try:
+        yield
+    finally:
+        model.measured, model.measured_kv = saved[0], saved[1]
 
 
 def _summarise(rows, modes) -> dict:
@@ -233,7 +264,7 @@ def _summarise(rows, modes) -> dict:
 def _print(length, name, s) -> None:
     c = s["costs"]
     parts = [f"plain {s['plain']['tokens_per_second']:.2f} tok/s"]
-    for m in ("tree", "auto"):
+    for m in ("tree", "auto", "auto, plain"):
         if m in s:
             same = {True: ", same text", False: ", TEXT DIFFERS"}.get(s[m].get("identical"), "")
             parts.append(f"{m} {s[m]['tokens_per_second']:.2f} tok/s "

@@ -90,8 +90,9 @@ def test_the_context_report_has_every_length_cache_and_mode(tmp_path, monkeypatc
             assert [p["source"] for p in r["prompts"]] == ["chat", "code"]
             assert all(p["prompt_tokens"] <= int(length) for p in r["prompts"])
             assert s["plain"]["ratio"] == 1.0 and s["plain"]["tau"] == pytest.approx(1.0)
-            for mode in ("tree", "auto"):
+            for mode in ("tree", "auto", "auto, plain"):
                 assert s[mode]["identical"] is True and s[mode]["tokens_per_second"] > 0
+            assert set(s["auto, plain"]["passes"]) == {"plain"}  # (the engine's plain passes)
             assert s["tree"]["tau"] >= 1.0
             costs = s["costs"]
             assert costs["verify_cost_curve"]["1"] == 1.0 and costs["kv_cache_mb"] > 0
