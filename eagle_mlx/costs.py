@@ -137,54 +137,79 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
     VERIFY_POINTS (`points`: at these), then the head's options whose verify leaves room to
     pay (`labels`: those). Returns the seconds by chain size, the drafting's by option
     label, the catching up's per position, and the spread of each verify point's runs."""
-    import mlx.core as mx
+    m = _Cycles(model, options, prompt_len, kv)
+    try:
+        verify, spread = m.verify_points(points)
+        draft, catch_up = m.drafting(verify, labels)
+    finally:
+        m.finish()
+    return verify, draft, catch_up, spread
 
-    from .decoding.adaptive import PLAIN, AdaptiveDrafter, Costs, lookup_chain
-    from .decoding.engine import Engine, SamplingParams, generation_stream
-    from .decoding.lookup import LookupSettings
 
-    target = model.target
-    drafter = AdaptiveDrafter(Costs({1: 1.0}), target, model.head, options, LookupSettings(),
-                              node_limit=target.tree_node_limit(),
-                              group=getattr(model, "group", None))  # (ranks in step)
-    engine = Engine(target, drafter, SamplingParams(), target.max_context,
-                    pipeline=drafter.group is None, kv=kv)  # (as `speculative_steps` runs)
-    state = engine.new_state()
-    V = target.vocab_size
-    prompt = [(7 + 7919 * i) % V for i in range(prompt_len)]
-    engine.prefill(state, prompt)
+class _Cycles:
+    """Real cycles of the engine after a prompt, each option forced, timed as generating
+    times them (`state.drafter.seconds`: under mx.distributed rank 0's, so every rank takes
+    the same turns)."""
 
-    def cycle() -> Optional[float]:
-        if not engine.fits(state):
+    def __init__(self, model, options: Sequence, prompt_len: int, kv=None):
+        from .decoding.adaptive import AdaptiveDrafter, Costs
+        from .decoding.engine import Engine, SamplingParams
+        from .decoding.lookup import LookupSettings
+
+        target = model.target
+        self.drafter = AdaptiveDrafter(Costs({1: 1.0}), target, model.head, options,
+                                       LookupSettings(), node_limit=target.tree_node_limit(),
+                                       group=getattr(model, "group", None))  # (ranks in step)
+        self.engine = Engine(target, self.drafter, SamplingParams(), target.max_context,
+                             pipeline=self.drafter.group is None, kv=kv)  # (as generating)
+        self.state = self.engine.new_state()
+        V = target.vocab_size
+        self.engine.prefill(self.state, [(7 + 7919 * i) % V for i in range(prompt_len)])
+        self.verify: dict = {}
+
+    def cycle(self) -> Optional[float]:
+        if not self.engine.fits(self.state):
             return None
-        engine.cycle(state)
-        return state.drafter.seconds
+        self.engine.cycle(self.state)
+        return self.state.drafter.seconds
 
-    def timed(option, twice: bool = False) -> List[float]:
+    def expected(self, option) -> float:
+        """What the points measured so far say of `option`, with room for noise."""
+        from .decoding.adaptive import Costs
+
+        if len(self.verify) < 2 or option.kind != "lookup":
+            return float("inf") if not self.verify else 1.3 * self.verify[1] * option.nodes
+        return 1.3 * Costs(self.verify).verify(option.nodes)
+
+    def timed(self, option) -> List[float]:
         """The cycles of `option`: the first (a head's catches it up), then, the faster of
         two where cycles are fast (warmed up), or one more where the first was slower than
-        its neighbours say (or `twice`). The cycle that drafted it ahead is the option
-        before's, and is not counted."""
-        state.drafter.forced = option
-        cycle()  # (the option drafted ahead before this one was forced)
-        runs = [cycle()]
+        its neighbours say. The cycle that drafted it ahead is the option before's, and is
+        not counted."""
+        import mlx.core as mx
+
+        self.state.drafter.forced = option
+        self.cycle()  # (the option drafted ahead before this one was forced)
+        runs = [self.cycle()]
         if runs[0] is not None and runs[0] < SLOW_CYCLE:
-            runs += [cycle(), cycle()]
-        elif runs[0] is not None and (twice or runs[0] > expected(option)):
-            runs.append(cycle())
+            runs += [self.cycle(), self.cycle()]
+        elif runs[0] is not None and runs[0] > self.expected(option):
+            runs.append(self.cycle())
         mx.clear_cache()
         runs = [r for r in runs if r is not None]
         if not runs:
             raise EagleError("the model's context is too short to measure its costs in.")
         return runs
 
-    def drafting_alone(option, runs: int = 2) -> List[tuple]:
+    def alone(self, option, runs: int = 2) -> List[tuple]:
         """The head's proposals of `option` timed alone over `runs` cycles, their inputs
         evaluated first and their trees after (a sync each side: not the cycle's own
         timing): (positions it caught up on, seconds) each."""
-        timings, propose = [], drafter.propose
+        import mlx.core as mx
 
-        def alone(st, features, tokens, root):
+        timings, propose = [], self.drafter.propose
+
+        def timed_alone(st, features, tokens, root):
             mx.eval([x for x in (features, tokens, root) if isinstance(x, mx.array)])
             behind, start = st.pending() + (0 if tokens is None else int(tokens.shape[0])), \
                 time.perf_counter()
@@ -193,69 +218,76 @@ def _measure_at(model, options: Sequence, prompt_len: int, points=None, labels=N
             timings.append((behind, time.perf_counter() - start))
             return tree
 
-        drafter.propose = alone
-        state.drafter.forced = option
+        self.drafter.propose = timed_alone
+        self.state.drafter.forced = option
         try:
             for _ in range(runs):  # (each cycle drafts the next ahead: with `option`)
-                cycle()
+                self.cycle()
         finally:
-            del drafter.propose
+            del self.drafter.propose
         return timings
 
-    verify, spread = {}, {}
+    def verify_points(self, points=None):
+        """Chains of nothing drafted at `points` (VERIFY_POINTS, stopping where the cost
+        grows as fast as the tokens): seconds and their runs' spread, by node count."""
+        from .decoding.adaptive import lookup_chain
 
-    def expected(option) -> float:  # what the points measured so far say, with room for noise
-        if len(verify) < 2 or option.kind != "lookup":
-            return float("inf") if not verify else 1.3 * verify[1] * option.nodes
-        return 1.3 * Costs(verify).verify(option.nodes)
+        verify, spread = self.verify, {}
+        self.timed(lookup_chain(0))  # (everything's first run)
+        for n in points or VERIFY_POINTS:
+            if n - 1 > self.drafter.max_lookup:
+                break
+            runs = self.timed(lookup_chain(n - 1))
+            kept = runs[1:] or runs
+            verify[n] = min(kept)
+            spread[n] = (max(kept) - verify[n]) / max(verify[n], 1e-9)
+            if points is None and n >= 4 and verify[n] >= LINEAR * n * verify[1]:
+                break  # (longer chains cannot pay)
+        low = 0.0  # (a larger chain never costs less: what noise says otherwise is evened out)
+        for n in sorted(verify):
+            verify[n] = low = max(verify[n], low)
+        return verify, spread
 
-    timed(lookup_chain(0))  # (everything's first run)
-    for n in points or VERIFY_POINTS:
-        if n - 1 > drafter.max_lookup:
-            break
-        runs = timed(lookup_chain(n - 1))
-        kept = runs[1:] or runs
-        verify[n] = min(kept)
-        spread[n] = (max(kept) - verify[n]) / max(verify[n], 1e-9)
-        if points is None and n >= 4 and verify[n] >= LINEAR * n * verify[1]:
-            break  # (the cost grows as fast as the tokens: longer chains cannot pay)
-    low = 0.0  # (a larger chain never costs less: what noise says otherwise is evened out)
-    for n in sorted(verify):
-        verify[n] = low = max(verify[n], low)
-    costs = Costs(verify)
-    draft, catch_up = {}, 0.0
-    if labels is not None:
-        measured = [o for o in drafter.head_options if o.label() in labels]
-    else:
-        # the options whose verify alone leaves room to pay (an option yields at most its
-        # depth + 1 tokens): of the chains, the shortest and the longest (interpolated
-        # between)
-        can_pay = [o for o in drafter.head_options  # (those within a hybrid's node bound)
-                   if costs.verify(o.nodes) < LINEAR * (o.depth + 1) * costs.verify(1)]
-        chains = [o for o in can_pay if o.chain]
-        measured = chains[:1] + [o for o in can_pay if not o.chain] + chains[1:][-1:]
-    alone = {}
-    for o in measured:
-        runs = timed(o)
-        # a cycle less the verify of as many nodes, which noise can make near zero, and never
-        # less than the head's own drafting timed alone
-        alone[o.label()] = drafting_alone(o)
-        draft[o.label()] = max(min(runs[1:] or runs) - costs.verify(o.nodes),
-                               min(s for _, s in alone[o.label()]))
-    if measured and labels is None:  # the catching up, priced from the drafting alone too
-        o = measured[0]
-        state.drafter.forced = PLAIN
-        for _ in range(CATCH_UP_GAP):  # (the head falls behind a position a pass)
-            cycle()
-        late = drafting_alone(o, 1)
-        if late:
-            steady = min(alone[o.label()], key=lambda r: r[1])
-            catch_up = max(late[0][1] - steady[1], 0.0) / max(late[0][0] - steady[0], 1)
-    state.drafter.forced = None
-    mx.synchronize(generation_stream)  # (nothing left running: a pass drafted ahead is, and
-    #                                     under mx.distributed its collectives would meet the
-    #                                     ranks' next ones)
-    return verify, draft, catch_up, spread
+    def drafting(self, verify: dict, labels=None):
+        """What each head option's drafting adds (`labels`: those options; else the ones
+        whose verify alone leaves room to pay: of the chains, the shortest and the longest),
+        never less than its proposal timed alone; and the catching up's per position."""
+        from .decoding.adaptive import PLAIN, Costs
+
+        costs, options = Costs(verify), self.drafter.head_options
+        if labels is not None:
+            measured = [o for o in options if o.label() in labels]
+        else:  # (an option yields at most its depth + 1 tokens)
+            can_pay = [o for o in options
+                       if costs.verify(o.nodes) < LINEAR * (o.depth + 1) * costs.verify(1)]
+            chains = [o for o in can_pay if o.chain]
+            measured = chains[:1] + [o for o in can_pay if not o.chain] + chains[1:][-1:]
+        draft, alone, catch_up = {}, {}, 0.0
+        for o in measured:  # (a cycle less the verify of as many nodes, which noise can
+            runs = self.timed(o)  # make near zero: never less than the drafting alone)
+            alone[o.label()] = self.alone(o)
+            draft[o.label()] = max(min(runs[1:] or runs) - costs.verify(o.nodes),
+                                   min(s for _, s in alone[o.label()]))
+        if measured and labels is None:  # the catching up, from the drafting alone too
+            o = measured[0]
+            self.state.drafter.forced = PLAIN
+            for _ in range(CATCH_UP_GAP):  # (the head falls behind a position a pass)
+                self.cycle()
+            late = self.alone(o, 1)
+            if late:
+                steady = min(alone[o.label()], key=lambda r: r[1])
+                catch_up = max(late[0][1] - steady[1], 0.0) / max(late[0][0] - steady[0], 1)
+        return draft, catch_up
+
+    def finish(self) -> None:
+        """Nothing left running: a pass drafted ahead is, and under mx.distributed its
+        collectives would meet the ranks' next ones."""
+        import mlx.core as mx
+
+        from .decoding.engine import generation_stream
+
+        self.state.drafter.forced = None
+        mx.synchronize(generation_stream)
 
 
 def model_costs(model, refresh: bool = False,
@@ -284,6 +316,5 @@ def model_costs(model, refresh: bool = False,
         if g is None or g.rank() == 0:
             write_costs(model, costs, kv)
         say(f"eagle_mlx: measured in {time.perf_counter() - start:.1f} s.")
-    costs.recheck = Recheck(costs, save=None if g is not None and g.rank() != 0 else
-                            lambda c: write_costs(model, c, kv))
+    costs.recheck = Recheck(costs)
     return costs

@@ -61,12 +61,13 @@ class EagleModel:
             return self.measured_kv[(kv.bits, kv.group_size)]
         return self.measured
 
-    def adaptive_drafter(self, max_kv_size=None, kv=None):
+    def adaptive_drafter(self, max_kv_size=None, kv=None, timed: bool = True):
         """The drafter of `speculate="auto"`: plain, lookup or the head, chosen every cycle
         (max_kv_size: the target's caches are bounded to that many positions, so no option
         is deeper than their window — the 4 first positions aside — and the costs stop
         growing there; kv: the caches are quantized from `kv.start` on, and the costs
-        measured so are taken from there)."""
+        measured so are taken from there; timed: greedy, the cycles timed — sampling takes
+        the costs as read, `Recheck.as_read`)."""
         from .costs import head_options
         from .decoding.adaptive import AdaptiveDrafter
 
@@ -77,7 +78,7 @@ class EagleModel:
                                depth_limit=None if max_kv_size is None else max_kv_size - 4,
                                max_kv_size=max_kv_size,
                                kv_costs=None if kv is None else (self.costs(kv), kv.start),
-                               group=self.group)
+                               group=self.group, timed=timed)
 
     @property
     def speculates(self) -> bool:

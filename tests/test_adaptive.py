@@ -530,13 +530,13 @@ def test_costs_measured_on_a_loaded_machine_are_noticed_and_measured_again(pair,
                                                                            monkeypatch):
     """A costs cache whose passes all cost 10x what they do now (measured while the machine
     was loaded) is noticed by the first plain passes and its points are timed again as
-    cycles of the next generation, within its first 64 tokens: every point comes down by more
-    than half (a shared machine's noise is within that), kept in the cache, `notes` says
-    why, and the tokens
-    are plain decoding's. A point whose runs spread when it was measured is timed again even
-    where plain passes agree with the costs. A generation that samples never times again (a
-    seed repeats)."""
-    from eagle_mlx.costs import costs_path, model_costs, read_costs
+    cycles of the next greedy generation, within its first 64 tokens: every point comes down
+    by more than half (a shared machine's noise is within that), `notes` says why, and the
+    tokens are plain decoding's. Sampling generations choose by the costs as read, before
+    and after (a seed draws the same tokens), and the cache file is left as it was. A point
+    whose runs spread when it was measured is timed again even where plain passes agree
+    with the costs."""
+    from eagle_mlx.costs import costs_path, model_costs
 
     monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path))
     target, _ = pair
@@ -556,12 +556,14 @@ def test_costs_measured_on_a_loaded_machine_are_noticed_and_measured_again(pair,
         model.measured = None  # (read from the cache file, as a new process reads it)
         return model.costs()
 
+    def sampled():
+        return [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=64,
+                                                     temp=0.8, seed=5) for t in r.tokens]
+
     costs = cached({0: 10.0})
-    sampled = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=64,
-                                                    temp=0.8, seed=5) for t in r.tokens]
+    written = costs_path(model).read_text()
+    before = sampled()
     assert not costs.recheck.plain and not costs.recheck.done
-    assert [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=64,
-                                                 temp=0.8, seed=5) for t in r.tokens] == sampled
     out = [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=64)
            for t in r.tokens]
     assert out == plain
@@ -569,14 +571,17 @@ def test_costs_measured_on_a_loaded_machine_are_noticed_and_measured_again(pair,
     assert "plain passes ran" in costs.recheck.notes[0]
     for (n, s), (_, truth) in zip(costs.verify_points, fresh.verify_points):
         assert s < 0.5 * 10 * truth, (n, s, truth)
-    assert read_costs(model).verify_points == costs.verify_points
+    assert sampled() == before and costs_path(model).read_text() == written
     costs = cached({2: 10.0}, spread={2: 0.9})
     assert [t for r in eagle_mlx.stream_generate(model, tok, prompt, max_tokens=64)
             for t in r.tokens] == plain
     assert costs.recheck.done and "spread 90%" in " ".join(costs.recheck.notes)
     assert costs.verify(2) < 0.5 * 10 * fresh.verify(2)
-    if "plain passes ran" not in " ".join(costs.recheck.notes):  # (the others as they were)
-        assert costs.verify_points[2:] == fresh.verify_points[2:]
+    if "plain passes ran" not in " ".join(costs.recheck.notes):  # (the others as they were,
+        low = costs.verify(2)                                     # or raised to stay above)
+        for (n, s), (_, f) in zip(costs.verify_points[2:], fresh.verify_points[2:]):
+            low = max(f, low)
+            assert s == low, (n, s, f)
 
 
 def test_plain_passes_decided_ahead_copy_no_cache(pair, monkeypatch):

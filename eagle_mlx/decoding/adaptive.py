@@ -490,10 +490,14 @@ class Recheck:
     taken while the machine was loaded, or before it was), is timed again as a cycle of
     decoding every RECHECK_EVERY cycles (a chain of that many nodes; the tokens are what
     they would be), never blocking. Where a point then disagrees beyond DISAGREE, the
-    points are corrected (`Costs.rescaled`), kept (`save`), and `notes` says so."""
+    points are corrected (`Costs.rescaled`) for the greedy generations of this process,
+    and `notes` says so. The costs as read (`as_read`) stay what sampling generations choose
+    by, here and in every process, so a seed draws the same tokens wherever it runs; the
+    cache is rewritten only by a measurement (`benchmark --save-tuning`)."""
 
-    def __init__(self, costs: Costs, save=None):
-        self.costs, self.save = costs, save
+    def __init__(self, costs: Costs):
+        self.costs = costs
+        self.as_read = Costs.fromdict(costs.asdict())
         self.queue = sorted(n for n, v in costs.spread.items() if v > SPREAD_BOUND and n > 1)
         self.why = {n: f"its runs spread {costs.spread[n]:.0%} when measured"
                     for n in self.queue}
@@ -543,8 +547,6 @@ class Recheck:
         self.notes.append("costs measured again while decoding (" + "; ".join(
             f"a pass of {n} took {r:.2f}x the cached cost, {self.why.get(n, 'timed again')}"
             for n, r in sorted(off.items())) + ")")
-        if self.save is not None:
-            self.save(self.costs)
         return True
 
 
@@ -582,14 +584,20 @@ class AdaptiveDrafter(Drafter):
                  head_options: Sequence[Option] = (), lookup: Optional[LookupSettings] = None,
                  head_prior: Optional[float] = None, node_limit: Optional[int] = None,
                  depth_limit: Optional[int] = None, max_kv_size: Optional[int] = None,
-                 kv_costs: Optional[tuple] = None, group=None):
+                 kv_costs: Optional[tuple] = None, group=None, timed: bool = True):
         """node_limit: the most nodes a tree may have; depth_limit: the most levels, the
         root's included (a bounded cache's window); max_kv_size: the most positions the
         target's caches hold (a bounded cache: its cost stops growing there); kv_costs:
         (the costs with quantized caches, the position from which the caches are
         quantized), which a sequence's choices take from there on; group: the
         `mx.distributed` group the target is sharded over, whose ranks all take rank 0's
-        timing of every cycle, so they choose alike (their costs are rank 0's too)."""
+        timing of every cycle, so they choose alike (their costs are rank 0's too); timed:
+        whether the generations' cycles are timed (greedy; when sampling, choices follow only
+        what repeats with a seed: the costs as read, never timed again)."""
+        if not timed:
+            costs = costs if costs.recheck is None else costs.recheck.as_read
+            if kv_costs is not None and kv_costs[0].recheck is not None:
+                kv_costs = (kv_costs[0].recheck.as_read, kv_costs[1])
         self.costs, self.target, self.head = costs, target, head
         self.max_kv_size = max_kv_size
         self.kv_costs = kv_costs

@@ -166,7 +166,7 @@ def prepare(model, tokenizer, prompt, settings: GenerationSettings,
     check(max(ids) < target.vocab_size and min(ids) >= 0,
            f"the prompt holds token ids outside the model's vocabulary of {target.vocab_size}.")
     if auto:  # (within a bounded cache's window)
-        drafter = model.adaptive_drafter(s.max_kv_size, s.kv)
+        drafter = model.adaptive_drafter(s.max_kv_size, s.kv, timed=s.temp == 0)
     elif alone and s.speculate is not False:
         drafter = LookupDrafter(lookup, target.tree_node_limit())
     elif not speculate:
