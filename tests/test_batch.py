@@ -141,7 +141,7 @@ def test_batch_caches_equal_each_sequence_alone(pairs, name):
     positions both hold; a linear-attention layer's window and state) equals the cache
     the sequence's own engine keeps, cycle by cycle, with three sequences joining (one
     prefilled in chunks over several steps) and one leaving early."""
-    from eagle_mlx.decoding.drafters import EagleDrafter
+    from eagle_mlx.decoding.eagle import EagleDrafter
     from eagle_mlx.decoding.lookup import LookupDrafter, MergedDrafter
 
     t, h = pairs(name)

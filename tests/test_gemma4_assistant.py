@@ -95,7 +95,7 @@ def test_every_chain_is_transformers_assistants_drafts(pair, target):
                                                            dtype=torch.float32).eval()
     model, _ = eagle_mlx.load(str(target_dir), eagle=str(assistant_dir))
     prompt = [5, 9, 13, 7, 22, 31, 40, 12, 33, 8, 19]
-    drafter = eagle_mlx.decoding.drafters.head_drafter(model.head, model.target, 5, 3, 1)
+    drafter = eagle_mlx.decoding.registry.head_drafter(model.head, model.target, 5, 3, 1)
     drafts, propose = [], drafter.propose
 
     def recorded(state, *args):
@@ -216,7 +216,7 @@ def test_assistants_that_do_not_fit_are_refused_in_one_sentence(pair, tmp_path):
 def test_convert_writes_an_assistant_read_back_identically(pair, tmp_path):
     from test_cli import tool
 
-    from eagle_mlx.decoding.drafters import head_drafter
+    from eagle_mlx.decoding.registry import head_drafter
     from eagle_mlx.decoding.engine import Engine, SamplingParams
 
     target_dir, assistant_dir = pair
@@ -245,7 +245,7 @@ def test_the_12b_unified_pair_loads_drafts_and_decodes_exactly(tmp_path):
                               Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration,
                               Gemma4UnifiedTextConfig)
 
-    from eagle_mlx.decoding.drafters import head_drafter
+    from eagle_mlx.decoding.registry import head_drafter
     from eagle_mlx.decoding.engine import Engine, SamplingParams
     from tiny import save_tokenizer
 
@@ -364,7 +364,7 @@ def test_every_round_drafts_what_transformers_assisted_generation_drafts(tmp_pat
     partial_rounds = 0
     for _ in range(4):
         prompt = rng.integers(3, 60, 11).tolist()
-        drafter = eagle_mlx.decoding.drafters.head_drafter(model.head, model.target, 4, 3, 1)
+        drafter = eagle_mlx.decoding.registry.head_drafter(model.head, model.target, 4, 3, 1)
         drafts, propose = {}, drafter.propose
 
         def record(state, *args, drafts=drafts, propose=propose):

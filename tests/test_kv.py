@@ -209,7 +209,7 @@ def test_the_engine_cuts_trees_at_the_switch(pairs):
     positions before it (no node is computed with float caches past the switch)."""
     target, head = pairs["llama"]
     model, _ = eagle_mlx.load(str(target), eagle=str(head))
-    drafter = eagle_mlx.decoding.drafters.head_drafter(model.head, model.target, 10, 3, 3)
+    drafter = eagle_mlx.decoding.registry.head_drafter(model.head, model.target, 10, 3, 3)
     engine = Engine(model.target, drafter, SamplingParams(), 512,
                     kv=KVQuantization(4, 32, len(PROMPT) + 2))
     state = engine.new_state()
@@ -360,7 +360,7 @@ def test_a_heads_draft_window_bounds_its_passes_and_changes_drafts_not_tokens(pa
     """load(..., draft_window=8) on an EAGLE-1 and an EAGLE-3 head: past a long prompt, every
     drafting pass reads at most the 8 positions before it and its own (its attention's keys),
     the drafts differ from the unwindowed head's, and the tokens are plain decoding's."""
-    from eagle_mlx.decoding.drafters import head_drafter
+    from eagle_mlx.decoding.registry import head_drafter
     from eagle_mlx.targets.cache import DraftWindowKVCache
 
     target, head = pairs[name]

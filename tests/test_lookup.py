@@ -107,7 +107,7 @@ def test_greedy_with_lookup_alone_and_merged_equals_plain(pair):
 def test_merged_trees_stay_within_the_budget_and_hold_both_sources(pair):
     """The merged tree has at most total_tokens nodes, no duplicate siblings, and holds the
     lookup branch where the head's tree lacks it."""
-    from eagle_mlx.decoding.drafters import EagleDrafter
+    from eagle_mlx.decoding.eagle import EagleDrafter
 
     target_dir, head_dir = pair
     model, _ = eagle_mlx.load(str(target_dir), eagle=str(head_dir), lookup=True)
@@ -131,7 +131,7 @@ def chi_square_merged(target_dir, head_dir, prompt, runs=1500):
     """p-value of the first three sampled tokens with lookup merged into the head's tree
     (temperature 0.7, top-k 5, top-p 0.9) against transformers' logits enumerated."""
     import test_windows
-    from eagle_mlx.decoding.drafters import EagleDrafter
+    from eagle_mlx.decoding.eagle import EagleDrafter
     from eagle_mlx.decoding.steps import speculative_steps
 
     def steps(target, head, prompt, sampling, total_tokens, depth, draft_top_k):

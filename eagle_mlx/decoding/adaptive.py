@@ -34,8 +34,9 @@ from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .drafters import Drafter, head_drafter
+from .drafters import Drafter
 from .lookup import LookupDrafter, LookupSettings, build_tree, head_trie
+from .registry import head_drafter
 from .tree import Tree
 
 EXPLORE = 0.03         # the share of the time spent trying options that do not pay

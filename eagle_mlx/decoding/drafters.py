@@ -28,7 +28,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .tree import StaticTree, Tree, draft_dynamic, draft_dynamic_batch
+from .tree import Tree
 
 
 @dataclass
@@ -140,59 +140,3 @@ class HeadDrafter(Drafter):
 
     def truncate(self, state, length: int) -> None:
         state.truncate(length)
-
-
-class EagleDrafter(HeadDrafter):
-    """An EAGLE-1 or EAGLE-3 head: the EAGLE-2 dynamic tree (`total_tokens` nodes with the
-    root, `depth` levels, `top_k` children per node) or a static tree (`tree_choices`)."""
-
-    def __init__(self, head, target, total_tokens: int, depth: int, top_k: int,
-                 tree_choices=None):
-        self.head, self.target = head, target
-        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
-        self.static = StaticTree(tree_choices, top_k) if tree_choices else None
-        self.max_depth = self.static.max_depth if self.static else depth + 1
-        self.features = head.feature_taps(target)
-
-    def propose(self, state, features, tokens, root) -> Tree:
-        if self.static is not None:
-            return self.static.draft(self.head, self.target, state, features, tokens, root)
-        return draft_dynamic(self.head, self.target, state, features, tokens, root,
-                             self.total_tokens, self.depth, self.top_k)
-
-    def head_caches(self, state) -> list:
-        return self.head.cache_layers(state)
-
-    def batch_key(self):
-        """Dynamic trees of one shape, with a head whose layers a batch can hold."""
-        if self.static is not None or not self.head.drafts_batched or \
-                self.head.draft_window is not None:  # (a window: its own caches, alone)
-            return None
-        return ("eagle", id(self.head), self.depth, self.top_k)
-
-    def propose_batch(self, rows: Sequence[DraftRow], cache=None) -> List[Tree]:
-        if self.batch_key() is None or cache is None:
-            return super().propose_batch(rows, cache)
-        states = [r.state for r in rows]
-        return draft_dynamic_batch(self.head, self.target, cache, [s.feats for s in states],
-                                   [s.tokens for s in states], [s.root for s in states],
-                                   [r.index for r in rows],
-                                   [r.drafter.total_tokens for r in rows], self.depth,
-                                   self.top_k)
-
-
-def head_drafter(head, target, total_tokens: int, depth: int, top_k: int,
-                 tree_choices=None) -> Drafter:
-    """The drafter of a head's trees: an EAGLE (or MTP) head's EAGLE-2 or static tree, a
-    block drafter's DDTree (`block.BlockDrafter`; the same sizes: `total_tokens` nodes with
-    the root, `depth` + 1 levels at most, `top_k` candidates per node or position)."""
-    if getattr(head, "block", False):
-        from .block import BlockDrafter
-
-        return BlockDrafter(head, target, total_tokens, depth, top_k)
-    if getattr(head, "reads_kv", False):  # a Gemma 4 assistant
-        from .assistant import AssistantDrafter
-
-        return AssistantDrafter(head, target, total_tokens, depth, top_k)
-    return EagleDrafter(head, target, total_tokens, depth, top_k, tree_choices)
-

@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import EagleError, check, is_int
 from ..targets.target import TREE_STATE_FRACTION, machine_memory
 from .accept import KeyChain
-from .drafters import head_drafter
+from .registry import head_drafter
 from .engine import SamplingParams
 from .lookup import LookupDrafter, MergedDrafter
 from .settings import GenerationSettings, KVQuantization, static_top_k

@@ -11,7 +11,7 @@ from typing import Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from .accept import KeyChain
-from .drafters import head_drafter
+from .registry import head_drafter
 from .engine import PREFILL_STEP_SIZE, Engine, SamplingParams, State, Step
 from .logprobs import score
 from ..mlxlm import generate_step
