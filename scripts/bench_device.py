@@ -18,7 +18,8 @@ near-tied logits, so every mode's tokens are plain decoding's in float16, bfloat
    mask (fixed length), and the engine's whole cycle for a chain of n nodes (a cache that
    grows every cycle) with its phases timed one by one (draft, verify, accept, update: a
    sync after each); with the verify's keys padded to the cache's buffer and without
-   (`targets/layers.py: pads_keys`);
+   (`targets/layers.py: pads_keys`), and with the cycle's small parts uncompiled
+   (EAGLE_MLX_COMPILE=0's `decoding/compiled.py`);
 2. mlx-lm's `generate_step` (the plain baseline) against the engine's plain decoding and
    speculation at a set acceptance: a drafter that proposes the target's own continuation,
    the right token at each depth ranked r among its candidates with probability a(1-a)^r
@@ -58,6 +59,7 @@ from eagle_mlx.decoding.adaptive import (PLAIN, AdaptiveDrafter, Costs,  # noqa:
 from eagle_mlx.decoding.engine import Engine, SamplingParams  # noqa: E402
 from eagle_mlx.decoding.lookup import build_tree  # noqa: E402
 from eagle_mlx.decoding.profiling import PhaseTimer, profiled_cycle  # noqa: E402
+from eagle_mlx.decoding import compiled  # noqa: E402
 from eagle_mlx.targets import layers  # noqa: E402
 from eagle_mlx.targets.target import Target  # noqa: E402
 
@@ -368,6 +370,13 @@ def curves(target, prompt, args, put) -> Dict[int, float]:
         if on == default:
             chosen = c["cycle"]
     padded_as(None)
+    was, compiled.ENABLED = compiled.ENABLED, False  # (EAGLE_MLX_COMPILE=0's cycle)
+    try:
+        c = cycles(target, prompt, args.nodes, args.reps_cost)
+    finally:
+        compiled.ENABLED = was
+    entry["uncompiled"] = {k: _keyed(v) for k, v in c.items()}
+    put(entry)
     return chosen
 
 
