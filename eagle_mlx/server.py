@@ -352,9 +352,13 @@ class JobRunner:
         self._done(job, finish, last, self.pool.put(self.caches.pop(uid)))
 
     def _end_batched(self, job) -> None:
-        """`stop`: the job that asked for it (if any) refused, the running ones cancelled."""
-        if job is not None:
-            job.events.put(("error", SHUTTING_DOWN))
+        """`stop`: the job that asked for it (if any) and every job still queued behind it
+        refused, the running ones cancelled (no request waits on an answer that never
+        comes; `submit` queues nothing once stopping is set)."""
+        while job is not False:
+            if job is not None:
+                job.events.put(("error", SHUTTING_DOWN))
+            job = self._queued()
         for uid, j in list(self.running.items()):
             self._done(j, "cancelled", self.last.get(uid), 0)
         self.running.clear()

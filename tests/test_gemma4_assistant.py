@@ -390,6 +390,8 @@ def test_every_round_drafts_what_transformers_assisted_generation_drafts(tmp_pat
         _, uncut = transformers_rounds(prompt, committed_keys=False)
         after = {n: uncut[i - 1] for i, (n, _) in enumerate(uncut) if i}
         for i, (n, drafted) in enumerate(uncut):
+            if n not in drafts:  # (after a round that differed, its rounds start elsewhere)
+                continue
             if drafts[n][: len(drafted)] != drafted:
                 prev_n, prev = after[n]
                 assert n - prev_n - 1 < len(prev), (prompt, n)  # after a partial acceptance

@@ -169,3 +169,22 @@ def test_concurrent_logprobs_each_equal_mlx_lm(batched, local_lookup, tiny_pair)
         np.testing.assert_allclose([c.logprob for c in content],
                                    ref[np.arange(len(tokens)), tokens], atol=1e-4)
         assert all(len(c.top_logprobs) == 2 for c in content)
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_a_stop_answers_every_job_still_queued(local_lookup, max_batch):
+    """Jobs queued when the runner stops (a burst that arrived with the signal) each get an
+    answer, the shutdown's error, and none waits for ever: one at a time and batched."""
+    from eagle_mlx.decoding.settings import GenerationSettings
+    from eagle_mlx.server import SHUTTING_DOWN, Job, JobRunner
+
+    model, tok = local_lookup
+    runner = JobRunner(model, tok, "m", log=lambda msg: None, max_batch=max_batch)
+    jobs = [runner.submit(Job([5 + i, 9], GenerationSettings(max_tokens=4), []))
+            for i in range(3)]
+    runner.stop()
+    runner.run()
+    for job in jobs:
+        assert job.events.get(timeout=10) == ("error", SHUTTING_DOWN)
+    late = runner.submit(Job([5, 9], GenerationSettings(max_tokens=4), []))
+    assert late.events.get(timeout=10) == ("error", SHUTTING_DOWN)
