@@ -406,7 +406,8 @@ def build_parser():
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                    help="also measure continuous batching at these batch sizes (plain and every "
                         "tree, aggregate tokens/s) and choose a tree (or plain decoding) per size, "
-                        "which the server's --max-batch uses")
+                        "which the server's --max-batch uses; with --auto: batches under "
+                        "adaptive speculation against the same batches decoded plainly")
     p.add_argument("--auto", action="store_true",
                    help="compare adaptive speculation (the tools' default) with plain decoding, "
                         "interleaved on every prompt: tokens/s, tau, what it chose and whether "
@@ -552,7 +553,60 @@ def auto_report(model, tokenizer, encoded, args) -> dict:
                   f"{s['tau']:.2f}, passes {passes}"
                   + ("" if temp else f", identical to plain: {s['identical']}"))
         report["temps"][str(temp)] = {"summary": summary, "prompts": rows}
+    if args.batch_sizes:
+        report["batch"] = auto_batch_report(model, tokenizer, encoded, args)
     return report
+
+
+def auto_batch_report(model, tokenizer, encoded, args) -> dict:
+    """Batches of every --batch-sizes B under adaptive speculation against the same
+    batches decoded plainly, greedy, interleaved (each first by turns): per dataset, its
+    prompts B at a time (cycled to fill the last batch); aggregate tokens/s of each, the
+    ratio, the passes auto chose and whether every row's text is plain decoding's."""
+    from .decoding.settings import GenerationSettings
+    from .generation import batch_generate
+
+    out = {}
+    for B in sorted(set(args.batch_sizes)):
+        size = 2
+        while size <= B:  # (a batch's costs at every size its rows choose with: before timing)
+            model.costs(batch=size)
+            size *= 2
+        per_source = {}
+        for src in dict.fromkeys(src for src, _ in encoded):
+            ids = [x for s, x in encoded if s == src]
+            groups = [[ids[(g + j) % len(ids)] for j in range(B)]
+                      for g in range(0, len(ids), B)]
+            tokens = {"plain": 0, "auto": 0}
+            seconds = {"plain": 0.0, "auto": 0.0}
+            passes, identical = {}, True
+            for i, group in enumerate(groups):
+                got = {}
+                for mode in (("plain", "auto") if i % 2 == 0 else ("auto", "plain")):
+                    settings = GenerationSettings(max_tokens=args.max_tokens, speculate=(
+                        False if mode == "plain" else "auto"))
+                    start = time.perf_counter()
+                    res = batch_generate(model, tokenizer, group, settings=[settings] * B,
+                                         max_batch=B)
+                    seconds[mode] += time.perf_counter() - start
+                    tokens[mode] += res.stats["generation_tokens"]
+                    got[mode] = [r.tokens for r in res.results]
+                    if mode == "auto":
+                        for r in res.results:
+                            for k, n in r.passes.items():
+                                passes[k] = passes.get(k, 0) + n
+                identical = identical and got["plain"] == got["auto"]
+            tps = {m: tokens[m] / max(seconds[m], 1e-9) for m in tokens}
+            per_source[src] = {"plain_tokens_per_second": tps["plain"],
+                               "auto_tokens_per_second": tps["auto"],
+                               "ratio": tps["auto"] / max(tps["plain"], 1e-9),
+                               "passes": passes, "identical": identical}
+            r = per_source[src]
+            print(f"batch {B} {src}: plain {tps['plain']:.2f} tok/s, auto "
+                  f"{tps['auto']:.2f} tok/s ({r['ratio']:.2f}x), passes {passes}, identical "
+                  f"to plain: {identical}")
+        out[str(B)] = per_source
+    return out
 
 
 def measure_prompt(model, tokenizer, ids, args, trees, default, temp, seed, count_graph):

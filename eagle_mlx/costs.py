@@ -23,7 +23,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .errors import EagleError
 from .outputs import user_cache
@@ -40,14 +40,17 @@ LINEAR = 0.9                          # cost(n) >= LINEAR * n * cost(1) from n =
 #                                       n cannot pay (2 alone is too noisy to tell)
 
 
-def costs_path(model, kv=None) -> Path:
-    """The cache file of the model's costs (kv: with its caches quantized so)."""
+def costs_path(model, kv=None, batch: Optional[int] = None) -> Path:
+    """The cache file of the model's costs (kv: with its caches quantized so; batch: a
+    batch's verify curve at that many rows)."""
     from .tuning import _key, entry_path
 
     key = dict(_key(model.head_path, model.target.path, model.target.dtype),
                version=COSTS_VERSION)
     if kv is not None:  # (quantized attention costs otherwise)
         key.update(kv_bits=kv.bits, kv_group_size=kv.group_size)
+    if batch is not None:
+        key["batch"] = int(batch)
     window = draft_window(model.head)
     if window is not None:  # (a windowed head's draft cost stops growing)
         key["draft_window"] = window
@@ -288,6 +291,92 @@ class _Cycles:
 
         self.state.drafter.forced = None
         mx.synchronize(generation_stream)
+
+
+def batch_size_measured(batch: int) -> int:
+    """The batch size whose costs a batch of `batch` rows takes: the largest power of two
+    not above it (1: a sequence's own)."""
+    return 1 << (max(int(batch), 1).bit_length() - 1)
+
+
+def measure_batch(model, batch: int, points=VERIFY_POINTS, prompt_len: int = MEASURE_PROMPT,
+                  until_linear: bool = True) -> Dict[int, float]:
+    """Seconds of one verify pass of a batch of `batch` rows (after `prompt_len`
+    positions each), every row a chain of n nodes, and its accept (the rows keep their
+    root): by n, at `points`, stopping where the pass grows as fast as its tokens (unless
+    not `until_linear`). What the batch's cycle pays for its width, whatever each row
+    drafts."""
+    import mlx.core as mx
+
+    from .decoding.batch import RootDrafter
+    from .decoding.engine import Engine, SamplingParams, generation_stream
+
+    target = model.target
+    V = target.vocab_size
+    engine = Engine(target, RootDrafter(), SamplingParams(), target.max_context)
+    caches, lengths = target.make_batch_cache(), []
+    with mx.stream(generation_stream):
+        for b in range(batch):
+            state = engine.new_state()
+            engine.prefill(state, [(7 + 7919 * i + 31 * b) % V for i in range(prompt_len)])
+            target.batch_join(caches, state.caches)
+            lengths.append(state.n)
+        curve = {}
+        for n in points:
+            if max(lengths) + n + 4 > target.max_context:
+                break
+            runs = []
+            for _ in range(3):  # (the first warms the shape up; one more where it is slow)
+                if len(runs) == 2 and runs[1] > SLOW_CYCLE:
+                    break
+                tokens = mx.array([[(7 + 7919 * (m + j)) % V for j in range(n)]
+                                   for m in lengths], dtype=mx.int32)
+                positions = mx.array(lengths)[:, None] + mx.arange(n)[None]
+                anc = mx.broadcast_to(mx.tril(mx.ones((n, n), dtype=mx.bool_)), (batch, n, n))
+                mx.eval(tokens, positions, anc)
+                start = time.perf_counter()
+                hidden, _ = target.verify_batch(tokens, caches, lengths, positions, anc,
+                                                max_depth=n - 1)
+                picked = mx.argmax(target.lm_head(hidden[:, :1]), axis=-1)
+                mx.eval(picked)
+                target.batch_accept(caches, [[0]] * batch)
+                mx.eval(target.cache_arrays(caches))
+                runs.append(time.perf_counter() - start)
+                lengths = [m + 1 for m in lengths]
+            curve[n] = min(runs[1:])
+            if until_linear and n >= 4 and curve[n] >= LINEAR * n * curve[1]:
+                break  # (wider passes cannot pay)
+        low = 0.0  # (a wider pass never costs less)
+        for n in sorted(curve):
+            curve[n] = low = max(curve[n], low)
+    mx.clear_cache()
+    return curve
+
+
+def batch_costs(model, batch: int,
+                say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)):
+    """The costs a row of a batch of `batch` sequences chooses with (`Costs.in_batch`): the
+    model's own, its verify curve the batch's (from the cache, else measured now and
+    cached)."""
+    from .decoding.adaptive import Costs
+
+    single = model.costs()
+    f = costs_path(model, batch=batch)
+    try:
+        curve = {int(n): float(v) for n, v in json.loads(f.read_text())["batch"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        curve = None  # absent or damaged: measured again
+    if not curve:
+        say(f"eagle_mlx: measuring this machine's verify costs for batches of {batch} "
+            f"(once; kept in {user_cache('costs')}) ...")
+        start = time.perf_counter()
+        curve = measure_batch(model, batch)
+        from .tuning import write_entry
+
+        write_entry(f, {"batch": {str(n): v for n, v in curve.items()},
+                        "measured": time.strftime("%Y-%m-%d %H:%M")})
+        say(f"eagle_mlx: measured in {time.perf_counter() - start:.1f} s.")
+    return single.in_batch(curve, batch)
 
 
 def model_costs(model, refresh: bool = False,

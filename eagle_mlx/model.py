@@ -39,12 +39,21 @@ class EagleModel:
     measured: Optional[object] = field(default=None, repr=False)  # the machine's costs
     # ... with quantized KV caches, by (bits, group size)
     measured_kv: dict = field(default_factory=dict, repr=False)
+    # ... of a row of a batch, by the batch size measured (`costs.batch_size_measured`)
+    measured_batch: dict = field(default_factory=dict, repr=False)
 
-    def costs(self, kv=None):
+    def costs(self, kv=None, batch: Optional[int] = None):
         """This machine's costs for adaptive speculation (measured at first use, cached;
-        kv: a KVQuantization, with the caches quantized so)."""
-        from .costs import model_costs
+        kv: a KVQuantization, with the caches quantized so; batch: a row's, in a batch of
+        that many sequences, from the batch's own verify costs at the largest power of two
+        not above it)."""
+        from .costs import batch_costs, batch_size_measured, model_costs
 
+        if batch is not None and batch_size_measured(batch) > 1:
+            b = batch_size_measured(batch)
+            if b not in self.measured_batch:
+                self.measured_batch[b] = batch_costs(self, b)
+            return self.measured_batch[b]
         if kv is not None:
             key = (kv.bits, kv.group_size)
             if key not in self.measured_kv:
@@ -72,13 +81,18 @@ class EagleModel:
         from .decoding.adaptive import AdaptiveDrafter
 
         prior = None if self.head is None else self.head.held_out_top1
-        return AdaptiveDrafter(self.costs(), self.target, self.head, head_options(self),
+        drafter = AdaptiveDrafter(self.costs(), self.target, self.head, head_options(self),
                                self.auto_lookup, head_prior=prior,
                                node_limit=self.target.tree_node_limit(),
                                depth_limit=None if max_kv_size is None else max_kv_size - 4,
                                max_kv_size=max_kv_size,
                                kv_costs=None if kv is None else (self.costs(kv), kv.start),
                                group=self.group, timed=timed)
+        if timed and max_kv_size is None and kv is None and self.group is None:
+            # (greedy: in a batch its rows choose with the batch's costs; a sampled row
+            # keeps a sequence's, so that a seeded row is its run alone)
+            drafter.batch_costs = lambda batch: self.costs(batch=batch)
+        return drafter
 
     @property
     def speculates(self) -> bool:

@@ -829,6 +829,10 @@ def _main(argv) -> int:
         model.costs()  # (measured before serving, where this machine has no record yet)
         if defaults.kv is not None:
             model.costs(defaults.kv)  # (and with the quantized caches it serves with)
+        size = 2
+        while size <= args.max_batch:  # (and a batch's, at every size its rows choose with)
+            model.costs(batch=size)
+            size *= 2
     try:
         server = Server((args.host, args.port), Handler, max_connections=args.max_connections)
     except OSError as e:

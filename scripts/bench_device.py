@@ -3,7 +3,7 @@
 
     python scripts/bench_device.py [--shapes llama-3.1-8b qwen3.5-9b gpt-oss-20b] [--bits 4]
         [--dtype bfloat16] [--context 512 4096] [--nodes 1 2 4 8 16 32 64]
-        [--acceptance 0.5 0.7 0.9] [--chains 1 3 6] [--trees 16/4/4 60/5/10 32/8/8]
+        [--acceptance 0.5 0.7 0.9] [--chains 1 3 6] [--trees 16/4/4 60/5/10 32/8/8] [--batch 4]
         [--max-tokens 64] [--budget SECONDS] [--output bench_device.json]
 
 For each shape a model is built in memory whose greedy next token is a fixed permutation of
@@ -19,7 +19,9 @@ near-tied logits, so every mode's tokens are plain decoding's in float16, bfloat
    grows every cycle) with its phases timed one by one (draft, verify, accept, update: a
    sync after each); with the verify's keys padded to the cache's buffer and without
    (`targets/layers.py: pads_keys`), and with the cycle's small parts uncompiled
-   (EAGLE_MLX_COMPILE=0's `decoding/compiled.py`);
+   (EAGLE_MLX_COMPILE=0's `decoding/compiled.py`); a batch of --batch rows beside one
+   sequence: mlx-lm's forward of [B, n] tokens against the engine's batch verify of n
+   nodes a row (`costs.measure_batch`);
 2. mlx-lm's `generate_step` (the plain baseline) against the engine's plain decoding and
    speculation at a set acceptance: a drafter that proposes the target's own continuation,
    the right token at each depth ranked r among its candidates with probability a(1-a)^r
@@ -320,6 +322,37 @@ def forwards(target, prompt: List[int], nodes: List[int], reps: int) -> dict:
     return out
 
 
+def batch_forwards(target, prompt: List[int], nodes: List[int], batch: int, reps: int) -> dict:
+    """A batch of `batch` rows beside one sequence: seconds of mlx-lm's forward of
+    [batch, n] tokens (its own causal mask, every row after the prompt, the cache cut back
+    after each) and of the engine's batch verify pass of a chain of n nodes per row and its
+    accept (`costs.measure_batch`, each row after the prompt, its ragged caches)."""
+    from types import SimpleNamespace
+
+    from eagle_mlx.costs import measure_batch
+
+    model = target.plain_model
+    cache = mlxlm.make_prompt_cache(model)
+    mx.eval(model(mx.array([prompt] * batch), cache=cache))
+    n0, out = len(prompt), {"mlx_lm": {}}
+    for n in nodes:
+        ids = mx.array([[prompt[(i + 31 * b) % n0] for i in range(n)] for b in range(batch)])
+
+        def mlx_lm_forward():
+            saved = [None if c.is_trimmable() else c.state for c in cache]
+            mx.eval(model(ids, cache=cache))
+            for c, s in zip(cache, saved):
+                if s is None:
+                    c.trim(n)
+                else:
+                    c.state = s
+
+        out["mlx_lm"][n] = _median_seconds(mlx_lm_forward, reps)
+    out["engine_batch_verify"] = measure_batch(SimpleNamespace(target=target), batch,
+                                               points=nodes, prompt_len=n0, until_linear=False)
+    return out
+
+
 def cycles(target, prompt: List[int], nodes: List[int], reps: int) -> dict:
     """Seconds of the engine's cycle for a chain of n nodes after the prompt (the median of
     `reps`, the cache growing by what each accepts) and its phases, timed one by one."""
@@ -370,6 +403,10 @@ def curves(target, prompt, args, put) -> Dict[int, float]:
         if on == default:
             chosen = c["cycle"]
     padded_as(None)
+    for b in args.batch:
+        entry[f"batch {b}"] = {k: _keyed(v) for k, v in batch_forwards(
+            target, prompt, args.nodes, b, args.reps_cost).items()}
+        put(entry)
     was, compiled.ENABLED = compiled.ENABLED, False  # (EAGLE_MLX_COMPILE=0's cycle)
     try:
         c = cycles(target, prompt, args.nodes, args.reps_cost)
@@ -495,6 +532,8 @@ def main(argv=None):
                    default=[(16, 4, 4), (60, 5, 10), (32, 8, 8)],
                    help="tree shapes NODES/DEPTH/TOP_K (16/4/4 and 60/5/10: EAGLE-2's; 32/8/8 "
                    "a DDTree over a block of 8)")
+    p.add_argument("--batch", type=int, nargs="*", default=[4],
+                   help="batch sizes whose forwards are timed beside one sequence's")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=2, help="runs of every mode (interleaved)")
     p.add_argument("--reps-cost", type=int, default=3, help="timed passes per cost point")
@@ -508,8 +547,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.tiny else "float16")
     bad = [a for a in args.acceptance if not 0 < a <= 1] + \
-        [n for n in args.nodes + args.chains + args.context + [args.max_tokens, args.reps,
-                                                               args.reps_cost] if n < 1]
+        [n for n in args.nodes + args.chains + args.context + args.batch +
+         [args.max_tokens, args.reps, args.reps_cost] if n < 1]
     if bad or 1 not in args.nodes:
         p.error("--acceptance takes values above 0 up to 1; --nodes must include 1; sizes "
                 f"are positive (got {bad or args.nodes}).")

@@ -325,3 +325,68 @@ def test_sequences_done_with_their_first_token(pairs):
     s = [GenerationSettings(max_tokens=1), GenerationSettings(max_tokens=1, temp=0.9, seed=3),
          GenerationSettings(max_tokens=5)]
     check_batch_equals_alone(model, tok, max_batch=2, prompts=PROMPTS[:3], settings=s)
+
+
+def test_a_batch_verify_curve_is_measured_once_and_cached(pairs, tmp_path, monkeypatch):
+    """The batch's verify pass is timed at its size and width (every row a chain of n nodes)
+    and kept in the cost cache by batch size: a larger width never costs less, the curve
+    read back is the one measured, and a row's costs are its share of it."""
+    from eagle_mlx import costs as costs_mod
+
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path))
+    t, h = pairs("llama2_mha")
+    model, _ = eagle_mlx.load(str(t), eagle=str(h))
+    said = []
+    row = costs_mod.batch_costs(model, 4, say=said.append)
+    assert any("batches of 4" in m for m in said)
+    curve = dict(row.verify_points)
+    assert curve[1] > 0 and list(curve) == sorted(curve) and len(curve) >= 3
+    assert all(a <= b for a, b in zip(curve.values(), list(curve.values())[1:]))
+    said.clear()
+    again = costs_mod.batch_costs(model, 4, say=said.append)  # (read back, not measured)
+    assert not said and dict(again.verify_points) == curve
+    assert row.draft_costs == model.costs().draft_costs
+    assert [costs_mod.batch_size_measured(b) for b in (1, 2, 3, 4, 7, 8)] == [1, 2, 2, 4, 4, 8]
+
+
+def test_greedy_rows_choose_with_the_batch_costs(pairs, monkeypatch, tmp_path):
+    """Where a sequence's own costs make the head's trees pay and the batch's (each row's
+    share of a pass as wide as its tree) make them dear, greedy rows decode plainly in every
+    cycle of a batch of 2 or more while alone they speculate, with alone's tokens; a
+    sampled row keeps a sequence's costs, so its choices and draws are its run alone."""
+    from eagle_mlx.costs import head_options
+    from eagle_mlx.decoding.adaptive import Costs
+
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path))
+    t, h = pairs("llama2_mha")
+    model, tok = eagle_mlx.load(str(t), eagle=str(h), lookup=True)
+    cheap = {1: 1.0, 2: 1.0, 4: 1.01, 8: 1.02, 16: 1.04}
+    draft = {o.label(): 1e-4 for o in head_options(model)}
+    model.measured = Costs(cheap, draft)
+    model.measured_batch[2] = model.measured.in_batch({n: 2.0 * n for n in cheap}, 2)
+    prompts = PROMPTS[3:6]
+    settings = [GenerationSettings(max_tokens=24), GenerationSettings(max_tokens=20),
+                GenerationSettings(max_tokens=20, temp=0.8, seed=4)]
+    ref = [alone(model, tok, p, s) for p, s in zip(prompts, settings)]
+    assert all(set(last.passes) - {"plain"} for _, _, last in ref)  # (alone: speculation)
+    gen = BatchGenerator(model, tok, max_batch=3)
+    uids = [gen.add(p, settings=s) for p, s in zip(prompts, settings)]
+    cycle, in_batch = gen._cycle, []
+
+    def recorded():
+        rows = list(gen.active)
+        out = cycle()
+        in_batch.extend(s.engine.drafter.chosen(s.state.drafter) for s in rows
+                        if len(rows) >= 2 and s.uid != uids[2])
+        return out
+
+    gen._cycle = recorded
+    got, last = {u: [] for u in uids}, {}
+    while gen.busy:
+        for uid, r in gen.step():
+            got[uid] += r.tokens
+            last[uid] = r
+    assert len(in_batch) > 20 and set(in_batch) == {"plain"}
+    for (tokens, _, alone_last), u in zip(ref, uids):
+        assert got[u] == tokens
+    assert last[uids[2]].passes == ref[2][2].passes

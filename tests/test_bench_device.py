@@ -41,6 +41,8 @@ def test_bench_device_tiny_shapes_in_float16(bench, tmp_path):
         costs = at["costs"]
         for curve in ("mlx_lm", "tree_forward"):
             assert set(costs[curve]) == {"1", "4"}
+        for curve in ("mlx_lm", "engine_batch_verify"):  # (a batch of 4 beside)
+            assert set(costs["batch 4"][curve]) == {"1", "4"}
         for cycles in (costs["keys padded: True"], costs["keys padded: False"],
                        costs["uncompiled"]):
             assert set(cycles["cycle"]) == {"1", "4"}

@@ -30,7 +30,7 @@ decoding's tokens; sampling: its distribution).
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -318,6 +318,20 @@ class Costs:
                    {str(k): float(v) for k, v in d.get("draft", {}).items()},
                    float(d.get("catch_up", 0.0)), int(d.get("at", 0)), d.get("longer"),
                    {int(n): float(v) for n, v in d.get("spread", {}).items()})
+
+    def in_batch(self, curve: Dict[int, float], batch: int) -> "Costs":
+        """The costs of one row of a batch of `batch` rows, from the batch's verify pass of
+        each width (`curve`, seconds by nodes per row: `costs.measure_batch`): a plain pass,
+        its share of the batch's plain pass; a tree of n nodes, that share and all that
+        widening the batch to n costs (every row is padded to the widest tree, so a row that
+        drafts alone pays the whole widening: a choice that pays so pays for the batch);
+        its own drafting and catching up; the growth with its context a sequence's."""
+        row = self.copy()
+        base = float(curve[min(curve)])
+        row.verify_points = sorted((int(n), float(v) - base * (batch - 1) / batch)
+                                   for n, v in curve.items())
+        row.spread = {}
+        return row
 
     def rescaled(self, ratios: Dict[int, float]) -> None:
         """The verify points timed again times their ratio to what they were (`ratios`, by
@@ -617,6 +631,8 @@ class AdaptiveDrafter(Drafter):
         self.head_prior = head_prior
         self.recheck = costs.recheck  # (None: costs given as they are, not measured here)
         self.group = group
+        # the costs of a row of a batch of that many (None: a batch's rows choose with these)
+        self.batch_costs: Optional[Callable[[int], Costs]] = None
 
     @property
     def owner(self):

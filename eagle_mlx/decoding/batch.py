@@ -74,6 +74,7 @@ class _Sequence:
     responses: Optional[Iterator] = None
     prefill: Optional[Iterator] = None
     done: bool = False
+    costed: int = 1                         # the batch size its choices are priced for
 
 
 def _root_tree(root: mx.array) -> Tree:
@@ -349,8 +350,24 @@ class BatchGenerator:
                     lp, s.state.key()).reshape(())))
         return verified, results
 
+    @staticmethod
+    def _batch_costs(rows) -> None:
+        """Each greedy adaptive row's choices priced for the batch it is in now: its share of
+        the batch's verify pass at each width (`EagleModel.costs(batch=...)`), taken afresh
+        whenever the batch's size crosses a measured one."""
+        from ..costs import batch_size_measured
+
+        size = batch_size_measured(len(rows))
+        for s in rows:
+            d = s.engine.drafter
+            if getattr(d, "batch_costs", None) is not None and s.costed != size:
+                s.costed = size
+                s.state.drafter.controller.costs = (d.costs if size == 1
+                                                    else d.batch_costs(size)).copy()
+
     def _cycle(self) -> List[Tuple[int, object]]:
         rows = self.active
+        self._batch_costs(rows)
         speculative = [not s.plain and s.engine.fits(s.state) for s in rows]
         trees = self._draft(rows, speculative)
         verified, results = self._verify(rows, trees, speculative)
