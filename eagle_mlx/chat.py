@@ -9,7 +9,8 @@ each turn prefills only the new messages.
 import sys
 
 from .cli import (ArgumentParser, UsageError, add_model_args, add_sampling_args, chat_prompt,
-                  load_from_args, print_stats, run_cli, settings_from_args, text_arg)
+                  load_from_args, print_logprobs, print_stats, run_cli, settings_from_args,
+                  text_arg)
 from .errors import EagleError
 
 HELP = "commands: /reset  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
@@ -89,16 +90,19 @@ class Chat:
         ids = self.prompt_ids(user)
         settings = self.settings.replace(max_tokens=min(
             self.settings.max_tokens, self.model.target.max_context - len(ids) + 1))
-        text = []
+        text, entries = [], []
         try:
             for r in stream_generate(self.model, self.tokenizer, ids, prompt_cache=self.cache,
                                      settings=settings):
                 print(r.text, end="", flush=True)
                 text.append(r.text)
+                entries += r.logprobs or []
                 self.last = r
         except KeyboardInterrupt:
             print(" [stopped]", end="")
         print()
+        if settings.logprobs is not None:
+            print_logprobs(self.tokenizer, entries)
         self.turns += [{"role": "user", "content": user},
                        {"role": "assistant", "content": "".join(text)}]
         if self.last is not None and not self.warned:

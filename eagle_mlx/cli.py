@@ -148,6 +148,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely (0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed (0 to 2**64 - 1)")
     p.add_argument("--system-prompt", default=None, help="system message for the chat template")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="write every generated token's log-probability and its N most likely "
+                        "alternatives (0: none) on stderr after the text, as one JSON object "
+                        "shaped as the completions API's `logprobs`")
     p.add_argument("--total-tokens", type=int, default=None,
                    help="nodes in the draft tree, root included (default: tuned or 16)")
     p.add_argument("--depth", type=int, default=None, help="draft tree levels (default: tuned or 4)")
@@ -217,11 +221,26 @@ def settings_from_args(args):
         max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, total_tokens=args.total_tokens, depth=args.depth,
         draft_top_k=args.draft_top_k, tree_choices=tree_choices,
-        speculate=SPECULATE[args.speculate], **kv_settings(args))
+        speculate=SPECULATE[args.speculate], logprobs=args.logprobs, **kv_settings(args))
     try:
         return settings.check(name=flag_name)
     except EagleError as e:
         raise UsageError(str(e)) from None
+
+
+def print_logprobs(tokenizer, entries) -> None:
+    """The generated tokens' log-probabilities (their `TokenLogprob`s, in order) on stderr,
+    one JSON line shaped as the server's completions answers shape them
+    (`openai_api.Protocol.logprobs`): tokens, their log-probabilities, the top alternatives
+    and each token's offset in the text."""
+    from .openai_api import Protocol
+
+    scores, offset = [], 0
+    for s in entries:
+        scores.append((offset, s))
+        offset += len(s.text)
+    shaped = Protocol("", tokenizer, 0, None).logprobs(scores, chat=False)
+    print("logprobs: " + json.dumps(shaped), file=sys.stderr, flush=True)
 
 
 def parse_tree_choices(text: str):

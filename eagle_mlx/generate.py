@@ -10,8 +10,8 @@ import sys
 import types
 
 from .cli import (ArgumentParser, UsageError, add_model_args, add_sampling_args, chat_prompt,
-                  describe_costs, describe_mode, load_from_args, print_stats, read_stdin, run_cli,
-                  settings_from_args, text_arg)
+                  describe_costs, describe_mode, load_from_args, print_logprobs, print_stats,
+                  read_stdin, run_cli, settings_from_args, text_arg)
 from .errors import EagleError
 
 
@@ -65,10 +65,11 @@ def _main(argv) -> int:
         if costs:
             print(f"[{costs}]", file=sys.stderr)
     print("==========")
-    last = None
+    last, entries = None, []
     try:
         for r in stream_generate(model, tokenizer, ids, settings=settings, prompt_cache=cache):
             print(r.text, end="", flush=True)
+            entries += r.logprobs or []
             if args.verbose and r.accept_length is not None:
                 what = f"{r.choice}: " if r.choice else ""
                 print(f"[{what}{r.accept_length}]", end="", file=sys.stderr, flush=True)
@@ -76,6 +77,8 @@ def _main(argv) -> int:
     except EagleError as e:
         raise UsageError(str(e)) from None
     print()
+    if settings.logprobs is not None:
+        print_logprobs(tokenizer, entries)
     costs = model.costs_in_use(settings.kv)
     print_stats(last, costs=costs)
     if args.verbose and costs is not None and costs.recheck is not None:

@@ -128,3 +128,48 @@ def test_logprobs_off_by_default_and_checked(pair):
     for bad in (-1, 21, 2.5, True, "5"):
         with pytest.raises(eagle_mlx.EagleError, match="logprobs must be None"):
             list(eagle_mlx.stream_generate(model, tok, [1, 5], max_tokens=4, logprobs=bad))
+
+
+def test_generate_and_chat_write_logprobs_as_the_completions_api_shapes_them(pair):
+    """`generate --logprobs 3` (speculating every pass) and `chat --logprobs 2` write, after
+    the text, one JSON object per answer as /v1/completions shapes `logprobs`: each token
+    decoded alone, its offset where its piece of the printed text begins, each
+    log-probability and top alternative is mlx-lm's for that step; a bad count is one
+    sentence naming the flag."""
+    import json
+
+    from eagle_mlx.cli import chat_prompt
+    from tiny import tool
+
+    target, heads = pair
+    model, tok = eagle_mlx.load(str(target), eagle=str(heads["eagle1"]))
+    messages = [{"role": "user", "content": "t5 t9 t11"}]
+    ids = chat_prompt(tok, messages)
+    runs = [("generate", ["--prompt", "t5 t9 t11", "--logprobs", 3, "--speculate", "always"], 3),
+            ("chat", ["--logprobs", 2], 2)]
+    for name, flags, top in runs:
+        proc = tool(name, "--model", target, "--eagle", heads["eagle1"], "--max-tokens", 12,
+                    *flags, stdin="t5 t9 t11\n" if name == "chat" else None)
+        assert proc.returncode == 0, proc.stderr
+        lines = [x for x in proc.stderr.splitlines() if x.startswith("logprobs: ")]
+        assert len(lines) == 1, proc.stderr
+        shaped = json.loads(lines[0][len("logprobs: "):])
+        text = (proc.stdout.split("==========\n")[1] if name == "generate"
+                else proc.stdout).splitlines()[0]
+        tokens = [t for r in eagle_mlx.stream_generate(model, tok, ids, max_tokens=12)
+                  for t in r.tokens]
+        reference = mlx_lm_logprobs(target, ids, tokens)
+        assert shaped["tokens"] == [tok.decode([t]) for t in tokens]
+        ends = shaped["text_offset"][1:] + [len(text)]  # (each token's piece of the text)
+        assert shaped["text_offset"][0] == 0
+        assert [text[a:b].strip() for a, b in zip(shaped["text_offset"], ends)] == \
+            [t.strip() for t in shaped["tokens"]]
+        np.testing.assert_allclose(shaped["token_logprobs"],
+                                   [row[t] for row, t in zip(reference, tokens)], atol=1e-4)
+        for alternatives, row in zip(shaped["top_logprobs"], reference):
+            want = np.argsort(-row, kind="stable")[:top]
+            assert list(alternatives) == [tok.decode([int(t)]) for t in want]
+            np.testing.assert_allclose(list(alternatives.values()), row[want], atol=1e-4)
+    proc = tool("generate", "--model", target, "--prompt", "t5", "--logprobs", -1)
+    assert proc.returncode == 2 and "--logprobs" in proc.stderr and \
+        "Traceback" not in proc.stderr, proc.stderr

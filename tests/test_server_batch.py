@@ -176,7 +176,7 @@ def test_a_stop_answers_every_job_still_queued(local_lookup, max_batch):
     """Jobs queued when the runner stops (a burst that arrived with the signal) each get an
     answer, the shutdown's error, and none waits for ever: one at a time and batched."""
     from eagle_mlx.decoding.settings import GenerationSettings
-    from eagle_mlx.server import SHUTTING_DOWN, Job, JobRunner
+    from eagle_mlx.serving import SHUTTING_DOWN, Job, JobRunner
 
     model, tok = local_lookup
     runner = JobRunner(model, tok, "m", log=lambda msg: None, max_batch=max_batch)
