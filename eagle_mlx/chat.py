@@ -9,9 +9,9 @@ each turn prefills only the new messages.
 import sys
 
 from .cli import (ArgumentParser, UsageError, add_model_args, add_sampling_args, chat_prompt,
-                  load_from_args, print_logprobs, print_stats, run_cli, settings_from_args,
-                  text_arg)
+                  load_from_args, print_stats, run_cli, settings_from_args, text_arg)
 from .errors import EagleError
+from .openai_api import print_logprobs
 
 HELP = "commands: /reset  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D quits)"
 
@@ -68,7 +68,7 @@ class Chat:
             if self.prefix is None:
                 ids = chat_prompt(self.tokenizer, messages)
             else:  # (the file's prompt, then the conversation from its first user message on)
-                from .generate import continuation
+                from .cli import continuation
 
                 ids = self.prefix + continuation(self.tokenizer, messages, True, len(self.system))
             if len(ids) + self.settings.max_tokens <= context or not history:

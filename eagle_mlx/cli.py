@@ -228,19 +228,20 @@ def settings_from_args(args):
         raise UsageError(str(e)) from None
 
 
-def print_logprobs(tokenizer, entries) -> None:
-    """The generated tokens' log-probabilities (their `TokenLogprob`s, in order) on stderr,
-    one JSON line shaped as the server's completions answers shape them
-    (`openai_api.Protocol.logprobs`): tokens, their log-probabilities, the top alternatives
-    and each token's offset in the text."""
-    from .openai_api import Protocol
+def continuation(tokenizer, messages, use_template: bool, at: int = -1):
+    """The tokens of a conversation that goes on after a cached prompt (mlx-lm's reading of
+    `--prompt-cache-file`): with the chat template, the rendered conversation from where the
+    text of message `at` starts (the cache holds what comes before it: that message left
+    open, `cache_prompt`'s document in it); else the messages' text from it on."""
+    from .decoding.plan import encode_prompt
 
-    scores, offset = [], 0
-    for s in entries:
-        scores.append((offset, s))
-        offset += len(s.text)
-    shaped = Protocol("", tokenizer, 0, None).logprobs(scores, chat=False)
-    print("logprobs: " + json.dumps(shaped), file=sys.stderr, flush=True)
+    if not (use_template and getattr(tokenizer, "chat_template", None)):
+        return encode_prompt(tokenizer, "\n".join(m["content"] for m in messages[at:]))
+    at = at % len(messages)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    marked = [*messages[:at], {**messages[at], "content": "<query>"}, *messages[at + 1:]]
+    probe = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text[probe.index("<query>"):], add_special_tokens=False))
 
 
 def parse_tree_choices(text: str):

@@ -293,12 +293,6 @@ class _Cycles:
         mx.synchronize(generation_stream)
 
 
-def batch_size_measured(batch: int) -> int:
-    """The batch size whose costs a batch of `batch` rows takes: the largest power of two
-    not above it (1: a sequence's own)."""
-    return 1 << (max(int(batch), 1).bit_length() - 1)
-
-
 def measure_batch(model, batch: int, points=VERIFY_POINTS, prompt_len: int = MEASURE_PROMPT,
                   until_linear: bool = True) -> Dict[int, float]:
     """Seconds of one verify pass of a batch of `batch` rows (after `prompt_len`
@@ -358,8 +352,6 @@ def batch_costs(model, batch: int,
     """The costs a row of a batch of `batch` sequences chooses with (`Costs.in_batch`): the
     model's own, its verify curve the batch's (from the cache, else measured now and
     cached)."""
-    from .decoding.adaptive import Costs
-
     single = model.costs()
     f = costs_path(model, batch=batch)
     try:

@@ -10,9 +10,10 @@ import sys
 import types
 
 from .cli import (ArgumentParser, UsageError, add_model_args, add_sampling_args, chat_prompt,
-                  describe_costs, describe_mode, load_from_args, print_logprobs, print_stats,
+                  continuation, describe_costs, describe_mode, load_from_args, print_stats,
                   read_stdin, run_cli, settings_from_args, text_arg)
 from .errors import EagleError
+from .openai_api import print_logprobs
 
 
 def build_parser() -> ArgumentParser:
@@ -88,22 +89,6 @@ def _main(argv) -> int:
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     return 0
-
-
-def continuation(tokenizer, messages, use_template: bool, at: int = -1):
-    """The tokens of a conversation that goes on after a cached prompt (mlx-lm's reading of
-    `--prompt-cache-file`): with the chat template, the rendered conversation from where the
-    text of message `at` starts (the cache holds what comes before it: that message left
-    open, `cache_prompt`'s document in it); else the messages' text from it on."""
-    from .decoding.plan import encode_prompt
-
-    if not (use_template and getattr(tokenizer, "chat_template", None)):
-        return encode_prompt(tokenizer, "\n".join(m["content"] for m in messages[at:]))
-    at = at % len(messages)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    marked = [*messages[:at], {**messages[at], "content": "<query>"}, *messages[at + 1:]]
-    probe = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(text[probe.index("<query>"):], add_special_tokens=False))
 
 
 def plain_for_mlx_lm_files(cache, settings, path):

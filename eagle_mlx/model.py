@@ -47,7 +47,8 @@ class EagleModel:
         kv: a KVQuantization, with the caches quantized so; batch: a row's, in a batch of
         that many sequences, from the batch's own verify costs at the largest power of two
         not above it)."""
-        from .costs import batch_costs, batch_size_measured, model_costs
+        from .costs import batch_costs, model_costs
+        from .decoding.adaptive import batch_size_measured
 
         if batch is not None and batch_size_measured(batch) > 1:
             b = batch_size_measured(batch)

@@ -3,6 +3,8 @@ naming the field for every bad value) and turned into the package's settings, re
 stream chunks and log-probabilities shaped as OpenAI's API shapes them. `generate` and
 `chat` write `--logprobs N` through the same shaping (`Protocol.logprobs`)."""
 
+import json
+import sys
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -144,7 +146,7 @@ class Protocol:
             if prefix is None:
                 ids = chat_prompt(tok, rendered)
             else:  # (the file's prompt, then the conversation from its first user message)
-                from .generate import continuation
+                from .cli import continuation
 
                 first = next((i for i, m in enumerate(rendered) if m["role"] == "user"), None)
                 if first is None:
@@ -245,3 +247,16 @@ def error_body(e: RequestError) -> dict:
     kind = {401: "authentication_error", 404: "not_found_error",
             413: "invalid_request_error"}.get(e.status, "invalid_request_error")
     return {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}}
+
+
+def print_logprobs(tokenizer, entries) -> None:
+    """The generated tokens' log-probabilities (their `TokenLogprob`s, in order) on stderr,
+    one JSON line shaped as the server's completions answers shape them
+    (`Protocol.logprobs`): tokens, their log-probabilities, the top alternatives
+    and each token's offset in the text."""
+    scores, offset = [], 0
+    for s in entries:
+        scores.append((offset, s))
+        offset += len(s.text)
+    shaped = Protocol("", tokenizer, 0, None).logprobs(scores, chat=False)
+    print("logprobs: " + json.dumps(shaped), file=sys.stderr, flush=True)

@@ -332,6 +332,7 @@ def test_a_batch_verify_curve_is_measured_once_and_cached(pairs, tmp_path, monke
     and kept in the cost cache by batch size: a larger width never costs less, the curve
     read back is the one measured, and a row's costs are its share of it."""
     from eagle_mlx import costs as costs_mod
+    from eagle_mlx.decoding.adaptive import batch_size_measured
 
     monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path))
     t, h = pairs("llama2_mha")
@@ -346,7 +347,7 @@ def test_a_batch_verify_curve_is_measured_once_and_cached(pairs, tmp_path, monke
     again = costs_mod.batch_costs(model, 4, say=said.append)  # (read back, not measured)
     assert not said and dict(again.verify_points) == curve
     assert row.draft_costs == model.costs().draft_costs
-    assert [costs_mod.batch_size_measured(b) for b in (1, 2, 3, 4, 7, 8)] == [1, 2, 2, 4, 4, 8]
+    assert [batch_size_measured(b) for b in (1, 2, 3, 4, 7, 8)] == [1, 2, 2, 4, 4, 8]
 
 
 def test_greedy_rows_choose_with_the_batch_costs(pairs, monkeypatch, tmp_path):

@@ -36,7 +36,7 @@ def test_a_saved_cache_continues_in_another_process_as_in_memory(pair, tmp_path)
     run over the whole conversation prints — speculative with the EAGLE-3 head, its
     features taken from the file."""
     from eagle_mlx.cache_prompt import prompt_ids
-    from eagle_mlx.generate import continuation
+    from eagle_mlx.cli import continuation
 
     target, head = pair
     path = tmp_path / "doc.safetensors"
@@ -171,7 +171,7 @@ def test_chat_goes_on_inside_the_files_open_message(pair, tmp_path):
     from its first user message on (that message's text going on after the cached one);
     two turns and a /reset print what generating from those prompts prints."""
     from eagle_mlx.cache_prompt import prompt_ids
-    from eagle_mlx.generate import continuation
+    from eagle_mlx.cli import continuation
 
     target, head = pair
     path = tmp_path / "doc.safetensors"
@@ -206,7 +206,7 @@ def test_the_server_answers_every_request_after_the_files_prompt(pair, tmp_path)
 
     from eagle_mlx.cache_prompt import prompt_ids
     from eagle_mlx.decoding.plan import encode_prompt
-    from eagle_mlx.generate import continuation
+    from eagle_mlx.cli import continuation
 
     target, head = pair
     path = tmp_path / "doc.safetensors"

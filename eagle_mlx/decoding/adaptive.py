@@ -345,6 +345,12 @@ class Costs:
         self.spread = {n: v for n, v in self.spread.items() if n not in ratios}
 
 
+def batch_size_measured(batch: int) -> int:
+    """The batch size whose costs a batch of `batch` rows takes: the largest power of two
+    not above it (1: a sequence's own)."""
+    return 1 << (max(int(batch), 1).bit_length() - 1)
+
+
 @dataclass
 class Choice:
     """A cycle's option, with what was expected of it (tokens, seconds)."""

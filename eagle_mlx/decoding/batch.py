@@ -355,7 +355,7 @@ class BatchGenerator:
         """Each greedy adaptive row's choices priced for the batch it is in now: its share of
         the batch's verify pass at each width (`EagleModel.costs(batch=...)`), taken afresh
         whenever the batch's size crosses a measured one."""
-        from ..costs import batch_size_measured
+        from .adaptive import batch_size_measured
 
         size = batch_size_measured(len(rows))
         for s in rows:
