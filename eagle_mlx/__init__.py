@@ -7,42 +7,10 @@
 
 import sys as _sys
 
-_interrupted = False
-# Until a tool has loaded what it works on there is nothing to save, and a KeyboardInterrupt
-# raised inside an import's or a finaliser's callback would be swallowed ("Exception
-# ignored in ...") and the tool would go on: Ctrl-C then ends the process at once.
-# `cli.started()` turns this off where a tool's own work begins.
-_exit_at_once = True
-
-
-def _on_sigint(signum, frame):
-    global _interrupted
-    _interrupted = True
-    if _exit_at_once:
-        import os
-
-        os.write(2, b"interrupted\n")
-        os._exit(130)
-    raise KeyboardInterrupt
-
-
-def _quiet_interrupt(kind, value, tb):
-    """Ctrl-C while a command-line tool is still importing ends as it does later: one word
-    and exit code 130, no traceback (an extension module that is interrupted while it
-    initialises reports an ImportError instead of the KeyboardInterrupt)."""
-    if issubclass(kind, KeyboardInterrupt) or _interrupted:
-        import os
-
-        print("interrupted", file=_sys.stderr, flush=True)
-        os._exit(130)
-    _sys.__excepthook__(kind, value, tb)
-
-
 if _sys.argv and _sys.argv[0] == "-m":  # `python -m eagle_mlx.TOOL`, before TOOL is found
-    import signal as _signal
+    from .interrupts import install as _install
 
-    _signal.signal(_signal.SIGINT, _on_sigint)
-    _sys.excepthook = _quiet_interrupt
+    _install()
 
 from .errors import EagleError  # noqa: E402
 

@@ -59,9 +59,9 @@ def started() -> None:
     """The tool's own work begins: from here Ctrl-C raises KeyboardInterrupt (a reply
     stops, a training step finishes, partial outputs are cleaned up) instead of ending
     the process at once, as it does while modules and models load."""
-    import eagle_mlx
+    from .interrupts import work_started
 
-    eagle_mlx._exit_at_once = False
+    work_started()
 
 
 NAMED_TREES = {"mc_sim_7b_63": MC_SIM_7B_63}

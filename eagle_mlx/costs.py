@@ -43,9 +43,9 @@ LINEAR = 0.9                          # cost(n) >= LINEAR * n * cost(1) from n =
 def costs_path(model, kv=None, batch: Optional[int] = None) -> Path:
     """The cache file of the model's costs (kv: with its caches quantized so; batch: a
     batch's verify curve at that many rows)."""
-    from .tuning import _key, entry_path
+    from .tuning import tuning_key, entry_path
 
-    key = dict(_key(model.head_path, model.target.path, model.target.dtype),
+    key = dict(tuning_key(model.head_path, model.target.path, model.target.dtype),
                version=COSTS_VERSION)
     if kv is not None:  # (quantized attention costs otherwise)
         key.update(kv_bits=kv.bits, kv_group_size=kv.group_size)

@@ -40,6 +40,7 @@ _NAMES = {
     "DEFAULT_ALLOW_PATTERNS": "mlx_lm.utils",
     "dequantize_model": "mlx_lm.utils",
     "MODEL_REMAPPING": "mlx_lm.utils",
+    "load": "mlx_lm.utils",
     "load_model": "mlx_lm.utils",
     "load_tokenizer": "mlx_lm.utils",
     "quantize_model": "mlx_lm.utils",

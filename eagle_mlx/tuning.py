@@ -40,7 +40,9 @@ def machine() -> dict:
             "mlx": mx.__version__}
 
 
-def _key(head_path, target_path, dtype) -> dict:
+def tuning_key(head_path, target_path, dtype) -> dict:
+    """What a tuning or cost entry belongs to: the head's and the target's files, the dtype and
+    this machine."""
     return {"head": _files(head_path) if head_path else None,  # None: prompt lookup alone
             "target": _files(target_path), "dtype": str(dtype),
             "machine": machine()}
@@ -64,7 +66,7 @@ def write_entry(f: Path, entry: dict) -> Path:
 
 
 def tuning_path(head_path, target_path, dtype) -> Path:
-    return entry_path(cache_dir(), _key(head_path, target_path, dtype))
+    return entry_path(cache_dir(), tuning_key(head_path, target_path, dtype))
 
 
 def read_tuning(head_path, target_path, dtype) -> Optional[dict]:
@@ -80,4 +82,4 @@ def read_tuning(head_path, target_path, dtype) -> Optional[dict]:
 
 def write_tuning(head_path, target_path, dtype, choice: dict) -> Path:
     return write_entry(tuning_path(head_path, target_path, dtype),
-                       {"key": _key(head_path, target_path, dtype), "choice": choice})
+                       {"key": tuning_key(head_path, target_path, dtype), "choice": choice})

@@ -29,9 +29,9 @@ def gemma3_file() -> str:
 
 
 def long_prompts(tokenizer, count: int, min_tokens: int):
-    from eagle_mlx.benchmark import HUMANEVAL, _package_file
+    from eagle_mlx.bench.prompts import HUMANEVAL, package_file
 
-    with gzip.open(_package_file(HUMANEVAL), "rt") as f:
+    with gzip.open(package_file(HUMANEVAL), "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     prompts, i = [], 0
     for _ in range(count):

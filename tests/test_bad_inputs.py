@@ -557,10 +557,10 @@ def test_a_head_far_below_its_own_record_gets_a_warning(world):
 
 @pytest.mark.parametrize("values", [["0"], ["3", "1000"], ["-2"]])
 def test_bench_train_refuses_a_bad_unroll_before_measuring(values, tmp_path):
-    """scripts/bench_train.py --unroll: a value out of range is one sentence and exit 2 before
+    """`python -m eagle_mlx.benchmark train --unroll`: a value out of range is one sentence and exit 2 before
     any features are recorded (nothing left in the temporary folder)."""
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "scripts/bench_train.py", "--unroll", *values],
+    proc = subprocess.run([sys.executable, "-m", "eagle_mlx.benchmark", "train", "--unroll", *values],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

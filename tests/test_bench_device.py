@@ -1,26 +1,21 @@
-"""scripts/bench_device.py on the CPU, at tiny shapes in float16: every mode's tokens are
+"""`python -m eagle_mlx.benchmark device` on the CPU, at tiny shapes in float16: every mode's tokens are
 mlx-lm's own `generate_step`'s (the built model has no near-ties), the set acceptance is
 what the drafted chains and trees get (worked out by enumeration: a chain of d at
 per-token acceptance a keeps (1 - a^(d+1)) / (1 - a) tokens a cycle; a tree keeps 1 plus
 the sum, over its rank paths, of each path's probability), every cost figure is there, a
 failing shape is reported while the others go on, and --budget ends the run."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_device", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from eagle_mlx.bench import device
+
+    return device
 
 
 def expected_tau(shape, a: float) -> float:

@@ -1,22 +1,15 @@
-"""scripts/bench_peers.py on a tiny pair: every mode runs every prompt of both sets, and
+"""`python -m eagle_mlx.benchmark peers` on a tiny pair: every mode runs every prompt of both sets, and
 eagle_mlx's modes (plain, lookup, auto) give mlx-lm's plain decoding's tokens (mlx-dspark's
 modes join where it is installed)."""
 
-import importlib.util
-from pathlib import Path
-
 from tiny import make_eagle_head, tiny_llama
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_peers.py"
-
 
 def test_bench_peers_tiny_pair(tmp_path):
     target = tiny_llama(tmp_path / "t", num_hidden_layers=2, max_position_embeddings=2048)
     head = make_eagle_head(tmp_path / "h", target, "eagle1", seed=1)
-    spec = importlib.util.spec_from_file_location("bench_peers", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    report = bench.main(["--model", str(target), "--eagle", str(head), "--num-prompts", "1",
+    from eagle_mlx.bench import peers
+
+    report = peers.main(["--model", str(target), "--eagle", str(head), "--num-prompts", "1",
                          "--max-tokens", "12", "--output", str(tmp_path / "r.json")])
     assert set(report["summary"]) == {"chat", "copy"}
     for kind, modes in report["summary"].items():

@@ -84,6 +84,7 @@ GROUND = {"errors", "mlxlm", "outputs", "hub", "tensorfiles"}
 # what each layer may import besides the ground modules and itself
 BELOW = {"targets": set(), "heads": {"targets"}, "decoding": {"targets"},
          "training": {"targets", "heads"}}
+TOOLS_ABOVE_BENCH = {"benchmark"}  # bench/ stands on every tool but the one over it
 
 
 def _package_imports(path: Path):
@@ -106,12 +107,18 @@ def _package_imports(path: Path):
 
 
 def test_layers_import_downhill():
-    """ground <- targets <- heads, decoding <- training <- the API and tools: no module
-    imports from a layer above its own (nor heads and decoding from each other)."""
+    """ground <- targets <- heads, decoding <- training <- the API and tools <- bench/ <-
+    benchmark.py: no module imports from a layer above its own (nor heads and decoding from
+    each other)."""
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(PACKAGE).with_suffix("").parts
         layer = parts[0] if len(parts) > 1 else ("ground" if parts[0] in GROUND else None)
+        if layer == "bench":
+            offenders += [f"{path.relative_to(PACKAGE)}:{line} imports {module}"
+                          for line, module in _package_imports(path)
+                          if module.split(".")[0] in TOOLS_ABOVE_BENCH]
+            continue
         if layer is None:
             continue  # the API, the CLI and the tools may import anything below them
         allowed = GROUND | ({layer} | BELOW[layer] if layer != "ground" else set())
@@ -120,6 +127,47 @@ def test_layers_import_downhill():
             if module and top not in allowed:
                 offenders.append(f"{path.relative_to(PACKAGE)}:{line} imports {module}")
     assert not offenders, offenders
+
+
+def test_no_module_takes_another_modules_private_name():
+    """`from .x import _name` or `x._name` with `x` a module of the package: a name that
+    crosses a file is public."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "")
+                                                     .startswith("eagle_mlx")):
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {a.name}")
+                    modules.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                modules |= {(a.asname or a.name).split(".")[0] for a in node.names
+                            if a.name.startswith("eagle_mlx")}
+        offenders += [f"{path.relative_to(PACKAGE)}:{n.lineno} {ast.unparse(n)}"
+                      for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                      and isinstance(n.value, ast.Name) and n.value.id in modules
+                      and n.attr.startswith("_") and not n.attr.startswith("__")]
+    assert not offenders, offenders
+
+
+def test_the_layout_table_names_every_module_and_only_modules_that_exist():
+    """CONTRIBUTING.md's layout table: every module of the package in a row, and every
+    file a row names is there."""
+    import re
+
+    root = PACKAGE.parent
+    text = (root / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    table = text[text.index("## The layout"):text.index("## Adding a target family")]
+    named = set(re.findall(r"`([\w/]+\.py)`", table))
+    modules = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+               if p.parent == PACKAGE or p.name != "__init__.py"}
+    assert not modules - named, sorted(modules - named)
+    missing = [n for n in named if not any((where / n).is_file()
+                                           for where in (PACKAGE, root / "scripts", root))]
+    assert not missing, missing
 
 
 LIGHT_TOOLS = ["generate", "chat", "convert", "server", "benchmark", "regen"]

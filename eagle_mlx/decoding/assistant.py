@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .compiled import compiled
 from .drafters import DraftRow, HeadDrafter
-from .tree import Tree, _first_level, _next_level_batch, _parent_offset, reranked_rows
+from .tree import Tree, first_level, next_level_batch, parent_offset, reranked_rows
 
 
 class AssistantDrafter(HeadDrafter):
@@ -90,7 +90,7 @@ class AssistantDrafter(HeadDrafter):
 
         root = mx.stack([r.reshape(()) for r in roots]).astype(mx.int32)[:, None]
         logits, out = step(root, hidden)                                   # [N, 1, V], [N, 1, H]
-        ids, scores = compiled(_first_level, k)(logits[:, 0])              # [N, k]
+        ids, scores = compiled(first_level, k)(logits[:, 0])              # [N, k]
         scores_list, tokens_list = [scores], [ids]
         parents_list = [mx.zeros((N, 1), dtype=mx.int32)]
         hidden = mx.repeat(out, k, axis=1)                                 # [N, k, H]
@@ -99,8 +99,8 @@ class AssistantDrafter(HeadDrafter):
         chosen = mx.broadcast_to(mx.arange(k), (N, k))
         for level in range(self.depth):
             logits, out = step(frontier, hidden)                         # [N, k, V], [N, k, H]
-            parents_list.append(chosen + _parent_offset(level, k))
-            child_ids, cum, chosen, scores, from_node, tree_mask = compiled(_next_level_batch)(
+            parents_list.append(chosen + parent_offset(level, k))
+            child_ids, cum, chosen, scores, from_node, tree_mask = compiled(next_level_batch)(
                 logits, scores, tree_mask)
             hidden = mx.take_along_axis(out, from_node[..., None], axis=1)
             frontier = mx.take_along_axis(child_ids, chosen, axis=1)

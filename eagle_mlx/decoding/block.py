@@ -25,7 +25,7 @@ import mlx.core as mx
 from ..targets.layers import log_softmax
 from .compiled import compiled
 from .drafters import HeadDrafter
-from .tree import Tree, _topk, ancestors
+from .tree import Tree, top_k_entries, ancestors
 
 
 def level_sizes(budget: int, top_k: int, levels: int) -> List[int]:
@@ -41,7 +41,7 @@ def _ddtree(budget: int, top_k: int, levels: int, logprobs: mx.array, root: mx.a
     """The DDTree under `root` from per-position log-probabilities [levels, V]: (tokens,
     parents, scores) with the root first, then the kept prefixes level by level (each
     level's in descending score)."""
-    top_ids, top_lp = _topk(logprobs, top_k)                        # [levels, K]
+    top_ids, top_lp = top_k_entries(logprobs, top_k)                        # [levels, K]
     sizes = level_sizes(budget, top_k, levels)
     scores, tokens, parents = [], [], []
     frontier = mx.zeros((1,), dtype=logprobs.dtype)                 # the root's score
@@ -49,7 +49,7 @@ def _ddtree(budget: int, top_k: int, levels: int, logprobs: mx.array, root: mx.a
     offset = 1
     for d, size in enumerate(sizes):
         cand = (frontier[:, None] + top_lp[d][None, :]).reshape(-1)
-        pick, best = _topk(cand, size)
+        pick, best = top_k_entries(cand, size)
         scores.append(best)
         tokens.append(top_ids[d][pick % top_k])
         parents.append(frontier_pool[pick // top_k])

@@ -43,7 +43,7 @@ class LookupSettings:
     max_draft: the most tokens a branch copies; branches: the most distinct continuations;
     accept: per-token acceptance by match length (the benchmark's calibration)."""
 
-    min_match: int = 2   # measured best of 1, 2, 3 (scripts/bench_lookup.py; docs/performance.md)
+    min_match: int = 2   # measured best of 1, 2, 3 (python -m eagle_mlx.benchmark lookup-sweep; docs/performance.md)
     max_draft: int = 16  # measured best of 4, 8, 16
     branches: int = 3
     accept: Dict[int, float] = field(default_factory=lambda: dict(DEFAULT_ACCEPT))

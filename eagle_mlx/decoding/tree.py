@@ -72,7 +72,7 @@ def pruned(tree: Tree, max_depth: int) -> Tree:
                    q=cut(tree.q), levels=max_depth, draw=None)
 
 
-def _topk(x: mx.array, k: int):
+def top_k_entries(x: mx.array, k: int):
     """The k largest entries of the last axis, largest first: (indices, values)."""
     idx = mx.argpartition(-x, kth=k - 1, axis=-1)[..., :k]
     vals = mx.take_along_axis(x, idx, axis=-1)
@@ -90,20 +90,20 @@ def ancestors(parents: mx.array, max_depth: int) -> mx.array:
     return anc
 
 
-def _first_level(k: int, logits: mx.array):
+def first_level(k: int, logits: mx.array):
     """The root's k best children: (draft ids [k], log-probabilities [k])."""
-    return _topk(log_softmax(logits), k)
+    return top_k_entries(log_softmax(logits), k)
 
 
-def _next_level_batch(logits: mx.array, scores: mx.array, tree_mask: mx.array):
+def next_level_batch(logits: mx.array, scores: mx.array, tree_mask: mx.array):
     """One level of the dynamic tree for B rows, from the head's logits [B, k, V] at each
     row's k frontier nodes: each node's k best children, their cumulative scores, and the k
     best of those k*k as the next frontier (which candidates, their scores [B, k], which
     frontier node each came from, and the frontier's mask over the drafted levels)."""
     B, k = scores.shape
-    child_ids, child_lp = _topk(log_softmax(logits), k)                 # [B, k, k]
+    child_ids, child_lp = top_k_entries(log_softmax(logits), k)                 # [B, k, k]
     cum = (child_lp + scores[..., None]).reshape(B, -1)
-    chosen, best = _topk(cum, k)
+    chosen, best = top_k_entries(cum, k)
     from_node = chosen // k
     picked = mx.take_along_axis(tree_mask, from_node[..., None], axis=1)
     mask = mx.concatenate([picked, mx.broadcast_to(mx.eye(k, dtype=mx.bool_), (B, k, k))], axis=2)
@@ -111,11 +111,11 @@ def _next_level_batch(logits: mx.array, scores: mx.array, tree_mask: mx.array):
 
 
 def _next_level(logits: mx.array, scores: mx.array, tree_mask: mx.array):
-    """`_next_level_batch` for one sequence: logits [k, V], scores [k], tree_mask [k, W]."""
-    return tuple(x[0] for x in _next_level_batch(logits[None], scores[None], tree_mask[None]))
+    """`next_level_batch` for one sequence: logits [k, V], scores [k], tree_mask [k, W]."""
+    return tuple(x[0] for x in next_level_batch(logits[None], scores[None], tree_mask[None]))
 
 
-def _parent_offset(level: int, top_k: int) -> int:
+def parent_offset(level: int, top_k: int) -> int:
     """Pool ids of the frontier chosen at `level`: 1 + flat index into the concatenated
     levels' scores (level 0 has k nodes, every later level k*k candidates)."""
     return 1 + top_k * top_k * max(0, level - 1) + (top_k if level > 0 else 0)
@@ -155,7 +155,7 @@ def draft_dynamic(head, target, cache, features: mx.array, tokens: mx.array, roo
     out = head(features[None], tokens[None], embed, cache, fed_back=False)
     stable = cache.offset
     last = out[:, -1:]                                         # [1, 1, H]
-    ids, scores = compiled(_first_level, top_k)(head.logits(last[0, 0], target))
+    ids, scores = compiled(first_level, top_k)(head.logits(last[0, 0], target))
     ids = head.to_target_ids(ids)
     scores_list, tokens_list = [scores], [ids]
     parents_list = [mx.zeros((1,), dtype=mx.int32)]
@@ -167,7 +167,7 @@ def draft_dynamic(head, target, cache, features: mx.array, tokens: mx.array, roo
         positions = mx.full((top_k,), stable + level, dtype=mx.int32)
         out = head(hidden, frontier[None], embed, cache, positions=positions,
                    mask=_tree_step_mask(stable, tree_mask), fed_back=True)    # [1, k, H]
-        parents_list.append(chosen + _parent_offset(level, top_k))
+        parents_list.append(chosen + parent_offset(level, top_k))
         child_ids, cum, chosen, scores, from_node, tree_mask = compiled(_next_level)(
             head.logits(out[0], target), scores, tree_mask)
         hidden = out[:, from_node]
@@ -212,7 +212,7 @@ def draft_dynamic_batch(head, target, cache, features, tokens, roots,
     stable = layers[0].held
     last = mx.take_along_axis(out, mx.array([max(n - 1, 0) for n in m])[:, None, None],
                               axis=1)                                        # [B, 1, H]
-    ids, scores = _topk(log_softmax(head.logits(last[:, 0], target)), top_k)   # [B, k]
+    ids, scores = top_k_entries(log_softmax(head.logits(last[:, 0], target)), top_k)   # [B, k]
     ids = head.to_target_ids(ids)
     scores_list, tokens_list = [scores], [ids]
     parents_list = [mx.zeros((B, 1), dtype=mx.int32)]
@@ -226,8 +226,8 @@ def draft_dynamic_batch(head, target, cache, features, tokens, roots,
                    mask=layers[0].level_mask(stable, tree_mask), fed_back=True)   # [B, k, H]
         for c in layers:
             c.keep()
-        parents_list.append(chosen + _parent_offset(level, top_k))
-        child_ids, cum, chosen, scores, from_node, tree_mask = compiled(_next_level_batch)(
+        parents_list.append(chosen + parent_offset(level, top_k))
+        child_ids, cum, chosen, scores, from_node, tree_mask = compiled(next_level_batch)(
             head.logits(out, target), scores, tree_mask)
         hidden = mx.take_along_axis(out, from_node[..., None], axis=1)
         child_ids = head.to_target_ids(child_ids)
@@ -333,7 +333,7 @@ class StaticTree:
         out = head(features[None], tokens[None], embed, cache, fed_back=False)
         stable = cache.offset
         logits = head.logits(out[0, -1:], target)              # [1, V]
-        first_ids = _topk(logits, self.top_k)[0]
+        first_ids = top_k_entries(logits, self.top_k)[0]
         first_lp = mx.take_along_axis(log_softmax(logits), first_ids, axis=-1)
         topk_ids = [head.to_target_ids(first_ids)]             # per step: [parents, k]
         topk_lp = [first_lp]                                   # their log-probabilities
@@ -346,7 +346,7 @@ class StaticTree:
                        mask=_tree_step_mask(stable, self.step_masks[d]), fed_back=True)
             hidden = out
             logits = head.logits(out[0], target)
-            ids = _topk(logits, self.top_k)[0]
+            ids = top_k_entries(logits, self.top_k)[0]
             topk_ids.append(head.to_target_ids(ids))
             topk_lp.append(mx.take_along_axis(log_softmax(logits), ids, axis=-1))
         cache.truncate(stable)

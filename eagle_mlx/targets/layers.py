@@ -41,6 +41,14 @@ def pads_keys() -> bool:
     return _PAD_KEYS[0]
 
 
+def set_pads_keys(on) -> None:
+    """Set `pads_keys` for this process (True or False), or back to the device's default
+    (None: EAGLE_MLX_PAD_KEYS, else whether MLX runs on a CUDA GPU)."""
+    _PAD_KEYS.clear()
+    if on is not None:
+        _PAD_KEYS.append(bool(on))
+
+
 def padded_mask(cache, mask, T: int):
     """A masked pass of T > 1 queries over `cache`: its mask widened to the cache's whole
     buffer, which the cache's update then returns (`TreeKVCache.padded_mask`), where

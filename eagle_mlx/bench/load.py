@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """A load test of an OpenAI-compatible server on this machine: N clients at once, streamed and
 not, mixed with malformed requests and clients that leave mid-stream.
 
-    python scripts/load_server.py --clients 64 --max-tokens 16
-    python scripts/load_server.py --servers eagle_mlx mlx_lm --clients 64
+    python -m eagle_mlx.benchmark load --clients 64 --max-tokens 16
+    python -m eagle_mlx.benchmark load --servers eagle_mlx mlx_lm --clients 64
 
 The target (default: the demo target) is converted once to an MLX folder (float32) so that
 every server reads the same weights; each server is started on 127.0.0.1 with a free port,
@@ -25,10 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import bench_server  # noqa: E402  (beside this script: starting the servers)
+from . import server as bench_server  # (starting the servers)
 
 BAD = [b"{not json", b'{"messages": []}', b'{"messages": "hi"}',
        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}',
@@ -111,8 +107,9 @@ def run_load(port, texts, args):
             "tokens_per_s": sum(o[3] for o in done) / wall, "wall": wall}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark load", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="target (default: the demo target)")
     p.add_argument("--eagle", help="head for eagle_mlx (default: the demo head with the demo target)")
     p.add_argument("--servers", nargs="+", default=["eagle_mlx", "mlx_lm"],
@@ -125,14 +122,14 @@ def main():
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--time-limit", type=float, default=1200.0, help="seconds the run may send")
     p.add_argument("--fastblas", default=None, help="as bench_server.py's --fastblas")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.fastblas:
         bench_server.LAUNCH.append(args.fastblas)
 
     import eagle_mlx
-    from eagle_mlx.benchmark import load_prompts
-    from eagle_mlx.convert import save_target
-    from eagle_mlx.demo import demo_paths
+    from .prompts import load_prompts
+    from ..convert import save_target
+    from ..demo import demo_paths
 
     model, head = (args.model, args.eagle) if args.model else demo_paths()
     texts = [t for _, t in load_prompts(["mt-bench", "humaneval"], 16)]

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Peers side by side: the same machine, the same model, the same prompts, interleaved.
 
-    python scripts/bench_peers.py [--model MLX_FOLDER] [--eagle HEAD] [--num-prompts 2]
+    python -m eagle_mlx.benchmark peers [--model MLX_FOLDER] [--eagle HEAD] [--num-prompts 2]
         [--max-tokens 64] [--output bench_peers.json]
 
 Modes (each where it is installed): mlx-lm's plain decoding (`generate_step`); mlx-dspark's
@@ -24,20 +23,18 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlx.core as mx
 
-import mlx.core as mx  # noqa: E402
-
-from eagle_mlx.outputs import user_cache  # noqa: E402
+from ..outputs import user_cache
 
 
 def demo_folder() -> str:
     """The demo target as a float32 MLX folder (converted once)."""
-    from eagle_mlx.demo import demo_target
+    from ..demo import demo_target
 
     folder = user_cache("peers") / "smollm2-135m-f32"
     if not (folder / "config.json").is_file():
-        from eagle_mlx.convert import main as convert
+        from ..convert import main as convert
 
         convert(["--model", str(demo_target()), "--mlx-path", str(folder),
                  "--dtype", "float32"])
@@ -47,8 +44,7 @@ def demo_folder() -> str:
 def modes(model_path: str, eagle):
     """name -> generate(ids, max_tokens) -> (tokens, seconds from the first, forwards)."""
     import eagle_mlx
-    from mlx_lm import load as lm_load
-    from mlx_lm.generate import generate_step
+    from ..mlxlm import generate_step, load as lm_load
 
     out = {}
     lm, _ = lm_load(model_path)
@@ -100,7 +96,8 @@ def modes(model_path: str, eagle):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark peers", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="an MLX folder (default: the demo target, as float32)")
     p.add_argument("--eagle", default=None, help="the head auto drafts with (default: the "
                    "demo's, with the demo target)")
@@ -110,8 +107,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.max_tokens < 2:
         p.error("--num-prompts must be at least 1 and --max-tokens at least 2.")
-    from eagle_mlx.benchmark import edit_prompts, load_prompts
-    from eagle_mlx.demo import demo_head
+    from .prompts import edit_prompts, load_prompts
+    from ..demo import demo_head
 
     model_path = args.model or demo_folder()
     eagle = args.eagle or (None if args.model else str(demo_head()))

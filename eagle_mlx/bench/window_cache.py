@@ -5,8 +5,8 @@ mask). One attention layer of a real model's shape, decoding after a long contex
 time per step (cache update + attention over what the cache returns, with the band mask)
 and the bytes each cache holds, measured in one run.
 
-    python scripts/bench_window_cache.py                      # gpt-oss-20b's layer, W=128
-    python scripts/bench_window_cache.py --heads 32 --kv-heads 16 --head-dim 128 --window 1024
+    python -m eagle_mlx.benchmark window-cache                      # gpt-oss-20b's layer, W=128
+    python -m eagle_mlx.benchmark window-cache --heads 32 --kv-heads 16 --head-dim 128 --window 1024
 """
 
 import argparse
@@ -14,7 +14,7 @@ import time
 
 import mlx.core as mx
 
-from eagle_mlx.targets.cache import TreeKVCache, WindowKVCache
+from ..targets.cache import TreeKVCache, WindowKVCache
 
 
 def run(cache, q_heads, kv_heads, dim, window, context, steps, tree, dtype):
@@ -44,7 +44,8 @@ def run(cache, q_heads, kv_heads, dim, window, context, steps, tree, dtype):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark window-cache", description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)

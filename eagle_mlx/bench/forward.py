@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Time the tree forward pass against mlx-lm's own forward over the same tokens.
 
-    python scripts/bench_forward.py [--hidden 512 --layers 8 --vocab 8000 --prefix 256]
+    python -m eagle_mlx.benchmark forward [--hidden 512 --layers 8 --vocab 8000 --prefix 256]
 
 A random Llama of the given shape runs T new tokens after a cached prefix, through
 mlx-lm's `Model.__call__` (causal) and through `Target.__call__` with explicit per-token
@@ -11,29 +10,26 @@ interleaved in one process so that machine noise hits both alike.
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle_mlx.targets.target import Target  # noqa: E402
+from ..targets.target import Target
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark forward", description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--prefix", type=int, default=256)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 60])
     p.add_argument("--reps", type=int, default=30)
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
-    from eagle_mlx.mlxlm import make_prompt_cache, model_module
+    from ..mlxlm import make_prompt_cache, model_module
 
     Model, ModelArgs = model_module("llama").Model, model_module("llama").ModelArgs
 

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """τ and draft cost against the draft vocabulary size N on the demo pair (or --model/--eagle).
 
-    python scripts/bench_draft_vocab.py --sizes 4096 8192 16384 32768 0 --num-prompts 4
+    python -m eagle_mlx.benchmark draft-vocab --sizes 4096 8192 16384 32768 0 --num-prompts 4
 
 For each N (0: the whole vocabulary) the same MT-bench and HumanEval prompts are decoded
 greedily with the default tree, the phases of every cycle timed (draft, verify, accept,
@@ -14,27 +13,25 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
-def main():
+
+def main(argv=None):
     import eagle_mlx
-    from eagle_mlx.benchmark import load_prompts
-    from eagle_mlx.cli import chat_prompt
-    from eagle_mlx.demo import demo_head, demo_target
-    from eagle_mlx.model import attach_draft_vocab
-    from eagle_mlx.decoding.steps import PhaseTimer, SamplingParams, eagle_steps
+    from .prompts import load_prompts
+    from ..cli import chat_prompt
+    from ..demo import demo_head, demo_target
+    from ..model import attach_draft_vocab
+    from ..decoding.steps import PhaseTimer, SamplingParams, eagle_steps
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark draft-vocab", description=__doc__.splitlines()[0])
     p.add_argument("--model")
     p.add_argument("--eagle")
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 0])
     p.add_argument("--num-prompts", type=int, default=4, help="per dataset")
     p.add_argument("--max-tokens", type=int, default=64)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     # (an EAGLE-1 question: an EAGLE-3 head drafts over the vocabulary it was trained with)
     target, head = (args.model, args.eagle) if args.model else (demo_target(), demo_head("eagle1"))
     model, tok = eagle_mlx.load(str(target), eagle=str(head))

@@ -22,9 +22,13 @@ import sys
 from contextlib import contextmanager
 from typing import List, Optional, Sequence, Tuple
 
-
-from .cli import UsageError, chat_prompt
-from .decoding.settings import GenerationSettings, KVQuantization
+from ..cli import UsageError, chat_prompt, load_from_args
+from ..decoding.settings import GenerationSettings, KVQuantization
+from ..errors import EagleError
+from ..outputs import atomic_file
+from .curves import cost_curves
+from .prompts import HUMANEVAL, MTBENCH, package_file, spread
+from .timing import timed_generation
 
 SIZES = (1, 2, 4, 8, 16, 32)
 CODE_ASK = ("\n\nComplete the following Python function, which may use the code above.\n\n")
@@ -96,16 +100,15 @@ def long_prompts(tokenizer, datasets: Sequence[str], n: int, length: int,
                  template: bool = True) -> List[Tuple[str, List[int]]]:
     """n prompts of each dataset, each holding about `length` tokens (see the module
     docstring): ("chat" | "code", ids)."""
-    from .benchmark import HUMANEVAL, MTBENCH, _package_file, _spread
 
     out = []
     if "mt-bench" in datasets:
-        from .training.data import load_conversations
+        from ..training.data import load_conversations
 
         questions = [json.loads(l)["turns"][0] for l in
-                     _package_file(MTBENCH).read_text().splitlines() if l.strip()]
+                     package_file(MTBENCH).read_text().splitlines() if l.strip()]
         conversations = load_conversations(limit=2000)
-        for i, q in enumerate(_spread(questions, n)):
+        for i, q in enumerate(spread(questions, n)):
             history, j = [], (i * 97) % len(conversations)
             final = [{"role": "user", "content": q}]
             while len(chat_prompt(tokenizer, history + final, use_template=template)) < length:
@@ -117,9 +120,9 @@ def long_prompts(tokenizer, datasets: Sequence[str], n: int, length: int,
             out.append(("chat", _fit(tokenizer, _merge_roles(history + final), length,
                                      template, len(q))))
     if "humaneval" in datasets:
-        with gzip.open(_package_file(HUMANEVAL), "rt") as f:
+        with gzip.open(package_file(HUMANEVAL), "rt") as f:
             rows = [json.loads(l) for l in f if l.strip()]
-        for i, r in enumerate(_spread(rows, n)):
+        for i, r in enumerate(spread(rows, n)):
             files, j = "", (i * 31 + 1) % len(rows)
             ask = CODE_ASK + r["prompt"]
             while len(chat_prompt(tokenizer, [{"role": "user", "content": files + ask}],
@@ -137,7 +140,6 @@ def context_costs(model, length: int, kv: Optional[KVQuantization], sizes=SIZES)
     """The cost curves after `length` positions (quantized as `kv` says): a verify pass over
     k tree tokens and the drafter's step over k nodes, each over one token's verify; beside
     them the adaptive controller's t(k)/t(1) at that length."""
-    from .benchmark import cost_curves
 
     info = {}
     verify, draft = cost_curves(model, length, sizes, reps=3, kv=kv, info=info)
@@ -169,13 +171,12 @@ def context_report(model, tokenizer, args, lengths: Sequence[int]) -> dict:
     modes["auto"] = dict(speculate="auto")
     if _adaptive(model):  # (the engine's plain passes, against mlx-lm's: `PLAIN_COSTS`)
         modes["auto, plain"] = dict(speculate="auto")
-    from .benchmark import timed_generation
 
     kvs: List[Optional[KVQuantization]] = [None] + ([args.kv] if args.kv is not None else [])
     if _adaptive(model):
         for kv in kvs:  # (measured before anything is timed, where none are on record)
             model.costs(kv)
-    from .tuning import machine
+    from ..tuning import machine
 
     report = {"machine": machine(), "model": str(model.target.path), "eagle": model.head_path,
               "max_tokens": args.max_tokens, "tree": shape, "temp": args.temps[0],
@@ -225,7 +226,7 @@ def plain_costs(model, kv: Optional[KVQuantization], on: bool):
     if not on:
         yield
         return
-    from .decoding.adaptive import Costs
+    from ..decoding.adaptive import Costs
 
     key = None if kv is None else (kv.bits, kv.group_size)
     saved = model.measured, dict(model.measured_kv)
@@ -281,3 +282,32 @@ def _print(length, name, s) -> None:
           + f"; KV cache {c['kv_cache_mb']:.1f} MB, peak memory "
           f"{max(s[m]['peak_memory_gb'] for m in ('plain', 'tree', 'auto') if m in s):.2f} GB",
           file=sys.stderr, flush=True)
+
+
+def context_main(args, output) -> int:
+    """`--context`: the long-context report, written as JSON."""
+    from ..decoding.plan import check_kv
+    from ..distributed import group, rank
+
+    for spec in ([MTBENCH] if "mt-bench" in args.datasets else []) + \
+            ([HUMANEVAL] if "humaneval" in args.datasets else []):
+        package_file(spec)  # (before the model loads)
+    if "mt-bench" in args.datasets:
+        from ..training.data import sharegpt_path
+
+        sharegpt_path()
+    model, tokenizer = load_from_args(args)
+    target = model.target
+    for n in args.context:
+        if n + args.max_tokens + 16 > target.max_context:
+            raise UsageError(f"--context {n} with --max-tokens {args.max_tokens} exceeds the "
+                             f"model's context of {target.max_context} tokens.")
+    if args.kv is not None:
+        try:
+            check_kv(model, args.kv)
+        except EagleError as e:
+            raise UsageError(str(e)) from None
+    report = context_report(model, tokenizer, args, args.context)
+    if rank(group()) == 0:
+        atomic_file(output, lambda tmp: tmp.write_text(json.dumps(report, indent=2)))
+    return 0

@@ -1,7 +1,7 @@
 """Prompt lookup's settings swept on one model: tau and tokens/s of lookup alone for each
 (min_match, max_draft), against plain decoding, interleaved on the same prompts.
 
-    python scripts/bench_lookup.py [--model M] [--num-prompts 2] [--max-tokens 64]
+    python -m eagle_mlx.benchmark lookup-sweep [--model M] [--num-prompts 2] [--max-tokens 64]
         [--min-match 1 2 3] [--max-draft 4 8 16]
 
 Without --model: the demo target. Prompts: the benchmark's edit, HumanEval and MT-bench sets.
@@ -11,26 +11,25 @@ import argparse
 import statistics
 import sys
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import eagle_mlx  # noqa: E402
-from eagle_mlx.benchmark import load_prompts, run_one  # noqa: E402
-from eagle_mlx.cli import chat_prompt  # noqa: E402
-from eagle_mlx.decoding.lookup import LookupSettings  # noqa: E402
+import eagle_mlx
+from .prompts import load_prompts
+from .timing import run_one
+from ..cli import chat_prompt
+from ..decoding.lookup import LookupSettings
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark lookup-sweep", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--num-prompts", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--min-match", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--max-draft", type=int, nargs="+", default=[4, 8, 16])
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.model is None:
-        from eagle_mlx.demo import demo_paths
+        from ..demo import demo_paths
 
         args.model = demo_paths()[0]
     model, tok = eagle_mlx.load(args.model, lookup=True)

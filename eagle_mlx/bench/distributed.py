@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Communication and speed of a target sharded over ranks, plain decoding against EAGLE.
 
-    python scripts/bench_distributed.py                       # one process (the baseline)
-    mlx.launch -n 2 --backend ring -- python scripts/bench_distributed.py   # two ranks
+    python -m eagle_mlx.benchmark distributed                       # one process (the baseline)
+    mlx.launch -n 2 --backend ring -- python -m eagle_mlx.benchmark distributed   # two ranks
 
 Counts the all-reduces and the bytes they carry per target forward and per generated
 token (plain decoding: one forward per token; EAGLE: one forward per cycle), and the
@@ -11,30 +10,27 @@ tokens per second, on the demo pair by default. Rank 0 prints one JSON line.
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
 PROMPT = "Give me three tips for writing a good email."
 
 
-def main():
+def main(argv=None):
     import eagle_mlx
-    from eagle_mlx import distributed
-    from eagle_mlx.cli import chat_prompt
-    from eagle_mlx.demo import demo_draft_vocab, demo_paths
-    from eagle_mlx.model import attach_draft_vocab
+    from .. import distributed
+    from ..cli import chat_prompt
+    from ..demo import demo_draft_vocab, demo_paths
+    from ..model import attach_draft_vocab
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark distributed", description=__doc__.splitlines()[0])
     p.add_argument("--model")
     p.add_argument("--eagle")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="runs of each mode (the best counts)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     group = distributed.group()
     model_path, head_path = args.model, args.eagle
     if model_path is None:

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """The engine's plain pass against mlx-lm's, side by side in one run.
 
-    python scripts/bench_plain_pass.py [--model M --eagle H] [--lengths 128 2048]
+    python -m eagle_mlx.benchmark plain-pass [--model M --eagle H] [--lengths 128 2048]
         [--kv-bits 4] [--runs 5] [--max-tokens 33]
 
 On prompts of each length (token ids cycled through the vocabulary), three modes decode the
@@ -16,22 +15,19 @@ the demo pair.
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import eagle_mlx  # noqa: E402
-from eagle_mlx.context_bench import PLAIN_COSTS  # noqa: E402
-from eagle_mlx.decoding.adaptive import Costs  # noqa: E402
-from eagle_mlx.decoding.engine import Engine  # noqa: E402
+import eagle_mlx
+from .context import PLAIN_COSTS
+from ..decoding.adaptive import Costs
+from ..decoding.engine import Engine
 
 MODES = ("never", "auto, plain", "auto, plain, a snapshot every pass")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark plain-pass", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--eagle", default=None)
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 2048])
@@ -42,7 +38,7 @@ def main(argv=None):
     if args.runs < 1 or args.max_tokens < 2 or min(args.lengths) < 1:
         p.error("--runs, --max-tokens (at least 2) and --lengths are positive.")
     if args.model is None:
-        from eagle_mlx.demo import demo_head, demo_target
+        from ..demo import demo_head, demo_target
 
         args.model, args.eagle = str(demo_target()), args.eagle or str(demo_head())
     model, tok = eagle_mlx.load(args.model, eagle=args.eagle)

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """τ and per-depth acceptance of several EAGLE heads for one target, on the same prompts.
 
-    python scripts/compare_heads.py --heads eagle_mlx/demo/head build/demo_head3/head \\
+    python -m eagle_mlx.benchmark heads --heads eagle_mlx/demo/head build/demo_head3/head \\
         --num-prompts 20 --max-tokens 128 --temps 0 1 --trees 16/4/4,60/7/10 --output cmp.json
 
 The target is the demo target unless --model is given; EAGLE-1 heads on the demo target
@@ -19,12 +18,11 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark heads", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="target (default: the demo target)")
     p.add_argument("--heads", nargs="+", required=True, help="EAGLE head folders")
     p.add_argument("--num-prompts", type=int, default=20, help="per dataset")
@@ -35,15 +33,19 @@ def main():
     p.add_argument("--trees", default="16/4/4,60/7/10")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="JSON report")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
-    from eagle_mlx.benchmark import depth_acceptance, load_prompts, parse_trees, run_one
-    from eagle_mlx.heads.read import load_head
-    from eagle_mlx.cli import chat_prompt
-    from eagle_mlx.demo import demo_draft_vocab, demo_target
-    from eagle_mlx.errors import EagleError
-    from eagle_mlx.model import EagleModel, attach_draft_vocab
-    from eagle_mlx.targets.load import load_target
+    from .timing import depth_acceptance, run_one
+
+    from .prompts import load_prompts
+
+    from .trees import parse_trees
+    from ..heads.read import load_head
+    from ..cli import chat_prompt
+    from ..demo import demo_draft_vocab, demo_target
+    from ..errors import EagleError
+    from ..model import EagleModel, attach_draft_vocab
+    from ..targets.load import load_target
 
     trees = parse_trees(args.trees)
     for h in args.heads:

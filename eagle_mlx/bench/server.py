@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Time to first token and tokens/s through `python -m eagle_mlx.server`: plain vs EAGLE,
 and (--clients) concurrent clients against continuous batching and `mlx_lm.server`.
 
-    python scripts/bench_server.py --num-prompts 5 --max-tokens 64
-    python scripts/bench_server.py --clients 1 2 4 8 --max-tokens 48
+    python -m eagle_mlx.benchmark server --num-prompts 5 --max-tokens 64
+    python -m eagle_mlx.benchmark server --clients 1 2 4 8 --max-tokens 48
 
 Without --clients: starts the server twice on the demo target (plain: the target alone;
 EAGLE: with the shipped head), sends the same MT-bench first turns to each as streaming chat
@@ -26,8 +25,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 LAUNCH = [sys.executable]  # (--fastblas: through a fast-BLAS launcher that runs `-m module`)
@@ -35,7 +32,7 @@ LAUNCH = [sys.executable]  # (--fastblas: through a fast-BLAS launcher that runs
 
 def start(args):
     proc = subprocess.Popen([*LAUNCH, "-m", "eagle_mlx.server", "--port", "0", *args],
-                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     line = ""
     while "serving" not in line:
         line = proc.stderr.readline()
@@ -54,7 +51,7 @@ def start_mlx_lm(folder):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = subprocess.Popen([*LAUNCH, "-m", "mlx_lm.server", "--model", str(folder),
-                             "--port", str(port)], cwd=ROOT, stderr=subprocess.DEVNULL,
+                             "--port", str(port)], stderr=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -124,9 +121,9 @@ def clients_table(args):
     import tempfile
 
     import eagle_mlx
-    from eagle_mlx.benchmark import load_prompts
-    from eagle_mlx.convert import save_target
-    from eagle_mlx.demo import demo_paths
+    from .prompts import load_prompts
+    from ..convert import save_target
+    from ..demo import demo_paths
 
     model, head = (args.model, args.eagle) if args.model else demo_paths()
     most = max(args.clients)
@@ -164,11 +161,12 @@ def clients_table(args):
               f"{r['tau']:.2f} |")
 
 
-def main():
-    from eagle_mlx.benchmark import load_prompts
-    from eagle_mlx.demo import demo_paths
+def main(argv=None):
+    from .prompts import load_prompts
+    from ..demo import demo_paths
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark server", description=__doc__.splitlines()[0])
     p.add_argument("--model")
     p.add_argument("--eagle")
     p.add_argument("--num-prompts", type=int, default=5)
@@ -178,7 +176,7 @@ def main():
     p.add_argument("--fastblas", default=None,
                    help="a launcher script run as `python SCRIPT -m MODULE ...` (a fast BLAS for "
                         "MLX's Linux CPU wheel) for every server")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.fastblas:
         LAUNCH.append(args.fastblas)
     if args.clients:

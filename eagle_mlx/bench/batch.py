@@ -2,7 +2,7 @@
 batched with EAGLE trees (each size given), batched plain, and one at a time, in one run
 on the same prompts (every batched sequence checked against its run alone, greedy).
 
-    python scripts/bench_batch.py [--model M --eagle H] [--batch-sizes 1 2 4 8]
+    python -m eagle_mlx.benchmark batch [--model M --eagle H] [--batch-sizes 1 2 4 8]
         [--max-tokens 64] [--trees 8/3/2 16/4/4] [--lookup]
 
 Without --model: the demo pair. Prompts: the benchmark's MT-bench and HumanEval sets.
@@ -11,15 +11,12 @@ Without --model: the demo pair. Prompts: the benchmark's MT-bench and HumanEval 
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import eagle_mlx  # noqa: E402
-from eagle_mlx.generation import batch_generate  # noqa: E402
-from eagle_mlx.benchmark import load_prompts  # noqa: E402
-from eagle_mlx.cli import chat_prompt  # noqa: E402
-from eagle_mlx.decoding.settings import GenerationSettings  # noqa: E402
+import eagle_mlx
+from ..generation import batch_generate
+from .prompts import load_prompts
+from ..cli import chat_prompt
+from ..decoding.settings import GenerationSettings
 
 
 def tree_settings(spec: str, max_tokens: int) -> GenerationSettings:
@@ -30,17 +27,18 @@ def tree_settings(spec: str, max_tokens: int) -> GenerationSettings:
                               draft_top_k=k)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark batch", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--eagle", default=None)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--trees", nargs="+", default=["8/3/2", "16/4/4"])
     p.add_argument("--lookup", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.model is None:
-        from eagle_mlx.demo import demo_paths
+        from ..demo import demo_paths
 
         args.model, args.eagle = demo_paths()
     model, tok = eagle_mlx.load(args.model, eagle=args.eagle, lookup=args.lookup or None)

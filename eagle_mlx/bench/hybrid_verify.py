@@ -10,7 +10,7 @@ the same size, measured in one run on this machine:
 * the bytes a tree node costs in recurrent state for Qwen3.5-9B and Qwen3.5-35B-A3B shapes
   (transformers' default Qwen3.5 configs), from the same code that bounds the trees.
 
-    python scripts/bench_hybrid_verify.py [--hidden 1024 --layers 8 --prefix 512]
+    python -m eagle_mlx.benchmark hybrid-verify [--hidden 1024 --layers 8 --prefix 512]
 """
 
 import argparse
@@ -22,8 +22,8 @@ import mlx.core as mx
 def build(kind: str, a):
     from mlx.utils import tree_map
 
-    from eagle_mlx import mlxlm
-    from eagle_mlx.targets.target import Target
+    from .. import mlxlm
+    from ..targets.target import Target
 
     # Qwen3.5-9B's proportions at width H (4096 there): attention 16 heads of 256 and 4 KV
     # heads, linear layers 32 value heads and 16 key heads of 128, MLP 3H
@@ -50,7 +50,7 @@ def build(kind: str, a):
 
 
 def verify_curve(target, prefix, sizes, reps=5):
-    from eagle_mlx.benchmark import heap_tree
+    from .curves import heap_tree
 
     cache = target.make_cache()
     mx.eval(target(mx.arange(3, 3 + prefix)[None], cache)[0])
@@ -75,10 +75,10 @@ def verify_curve(target, prefix, sizes, reps=5):
 
 
 def cycle_phases(target, prompt_len, cycles=12):
-    from eagle_mlx.heads.eagle import Eagle1Head, HeadArgs
-    from eagle_mlx.decoding.profiling import PhaseTimer
-    from eagle_mlx.decoding.steps import SamplingParams, eagle_steps
-    from eagle_mlx.training.trainer import new_head_config
+    from ..heads.eagle import Eagle1Head, HeadArgs
+    from ..decoding.profiling import PhaseTimer
+    from ..decoding.steps import SamplingParams, eagle_steps
+    from ..training.trainer import new_head_config
 
     head = Eagle1Head(HeadArgs.from_config(new_head_config(target), "eagle1"))
     mx.eval(head.parameters())
@@ -93,9 +93,9 @@ def cycle_phases(target, prompt_len, cycles=12):
 def state_bytes():
     import transformers
 
-    from eagle_mlx import mlxlm
-    from eagle_mlx.targets.families import LinearAttentionMechanism
-    from eagle_mlx.targets.target import Target
+    from .. import mlxlm
+    from ..targets.families import LinearAttentionMechanism
+    from ..targets.target import Target
 
     out = {}
     for name, cls in (("Qwen3.5-9B", "Qwen3_5TextConfig"), ("Qwen3.5-35B-A3B", "Qwen3_5MoeTextConfig")):
@@ -111,7 +111,8 @@ def state_bytes():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark hybrid-verify", description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--prefix", type=int, default=512)

@@ -1,6 +1,6 @@
 """Training tokens/s with the target in the loop against training from cached features.
 
-    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. python ../shared/tools/fastblas.py -m scripts.bench_train
+    OPENBLAS_NUM_THREADS=1 python ../shared/tools/fastblas.py -m eagle_mlx.benchmark train
 
 One run, one process: ShareGPT conversations rendered for the demo target (or --model),
 their features recorded once (`regen --answers data`: that pass's tokens/s is reported
@@ -20,11 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark train", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="target (default: the demo target)")
     p.add_argument("--conversations", type=int, default=48)
     p.add_argument("--batch-size", type=int, default=8)
@@ -36,22 +36,22 @@ def main() -> int:
                    help="also time these --unroll steps (default: each kind's recipe alone)")
     p.add_argument("--modes", nargs="+", type=int, help="only these of the modes (0-5)")
     p.add_argument("--json", help="also write the figures here")
-    a = p.parse_args()
-    from eagle_mlx.train import MAX_UNROLL
+    a = p.parse_args(argv)
+    from ..train import MAX_UNROLL
 
     if any(not 1 <= u <= MAX_UNROLL for u in a.unroll or []):
         p.error(f"--unroll must be from 1 to {MAX_UNROLL} steps (got {a.unroll}).")
 
-    from eagle_mlx.training.data import load_conversations
-    from eagle_mlx.training.features import FeatureShards
-    from eagle_mlx.regen import main as regen_main
-    from eagle_mlx.targets.load import load_target
-    from eagle_mlx.train import build_parser, check_args
-    from eagle_mlx.training.data import ConversationData, FeatureData
-    from eagle_mlx.training.trainer import Trainer
+    from ..training.data import load_conversations
+    from ..training.features import FeatureShards
+    from ..regen import main as regen_main
+    from ..targets.load import load_target
+    from ..train import build_parser, check_args
+    from ..training.data import ConversationData, FeatureData
+    from ..training.trainer import Trainer
 
     if a.model is None:
-        from eagle_mlx.demo import demo_target
+        from ..demo import demo_target
 
         a.model = str(demo_target())
     tmp = Path(tempfile.mkdtemp(prefix="bench_train_"))

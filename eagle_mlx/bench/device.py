@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """What speculation buys on this device, for real model shapes, without their weights.
 
-    python scripts/bench_device.py [--shapes llama-3.1-8b qwen3.5-9b gpt-oss-20b] [--bits 4]
+    python -m eagle_mlx.benchmark device [--shapes llama-3.1-8b qwen3.5-9b gpt-oss-20b] [--bits 4]
         [--dtype bfloat16] [--context 512 4096] [--nodes 1 2 4 8 16 32 64]
         [--acceptance 0.5 0.7 0.9] [--chains 1 3 6] [--trees 16/4/4 60/5/10 32/8/8] [--batch 4]
         [--max-tokens 64] [--budget SECONDS] [--output bench_device.json]
@@ -53,17 +52,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle_mlx import mlxlm  # noqa: E402
-from eagle_mlx.decoding.adaptive import (PLAIN, AdaptiveDrafter, Costs,  # noqa: E402
+from .. import mlxlm
+from ..decoding.adaptive import (PLAIN, AdaptiveDrafter, Costs,
                                          Option, head_chain)
-from eagle_mlx.decoding.engine import Engine, SamplingParams  # noqa: E402
-from eagle_mlx.decoding.lookup import build_tree  # noqa: E402
-from eagle_mlx.decoding.profiling import PhaseTimer, profiled_cycle  # noqa: E402
-from eagle_mlx.decoding import compiled  # noqa: E402
-from eagle_mlx.targets import layers  # noqa: E402
-from eagle_mlx.targets.target import Target  # noqa: E402
+from ..decoding.engine import Engine, SamplingParams
+from ..decoding.lookup import build_tree
+from ..decoding.profiling import PhaseTimer, profiled_cycle
+from ..decoding import compiled
+from ..targets import layers
+from ..targets.target import Target
 
 # published shapes (config.json values; Qwen3.5's linear-attention sizes as its family's)
 SHAPES = {
@@ -121,7 +118,7 @@ def build(name: str, bits: int, tiny: bool, dtype=mx.float16, seed: int = 0) -> 
     ones and biases zeros, so the layers move the residual stream by a few percent."""
     from mlx.utils import tree_flatten, tree_unflatten
 
-    from eagle_mlx.mlxlm import model_module
+    from ..mlxlm import model_module
 
     config = config_of(name, tiny)
     module = model_module(config["model_type"])
@@ -244,7 +241,7 @@ def _levels(tree, levels):
 
 def run(target, drafter, prompt: List[int], max_tokens: int, plain: bool = False):
     """(tokens after the first, seconds from the first token on, target forwards)."""
-    from eagle_mlx.decoding.steps import plain_steps, speculative_steps
+    from ..decoding.steps import plain_steps, speculative_steps
 
     steps = plain_steps(target, prompt, SamplingParams(), target.max_context) if plain else \
         speculative_steps(target, drafter, prompt, SamplingParams())
@@ -329,7 +326,7 @@ def batch_forwards(target, prompt: List[int], nodes: List[int], batch: int, reps
     accept (`costs.measure_batch`, each row after the prompt, its ragged caches)."""
     from types import SimpleNamespace
 
-    from eagle_mlx.costs import measure_batch
+    from ..costs import measure_batch
 
     model = target.plain_model
     cache = mlxlm.make_prompt_cache(model)
@@ -381,9 +378,7 @@ def cost_curve(target, prompt: List[int], nodes: List[int], reps: int = 3) -> Di
 
 def padded_as(on: Optional[bool]):
     """Set whether tree passes pad their keys (None: the device's default)."""
-    layers._PAD_KEYS.clear()
-    if on is not None:
-        layers._PAD_KEYS.append(on)
+    layers.set_pads_keys(on)
 
 
 def curves(target, prompt, args, put) -> Dict[int, float]:
@@ -519,7 +514,8 @@ def parse_tree(spec: str) -> tuple:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_mlx.benchmark device", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--bits", type=int, default=4, choices=[0, 3, 4, 5, 6, 8])
     p.add_argument("--context", type=int, nargs="+", default=[512, 4096],

@@ -1,0 +1,110 @@
+"""Adaptive speculation (the tools' default) against plain decoding, interleaved on every
+prompt, one sequence at a time and in batches."""
+
+import sys
+import time
+
+from ..tuning import machine
+from .timing import timed_generation
+
+def auto_report(model, tokenizer, encoded, args) -> dict:
+    """Plain decoding and adaptive speculation, interleaved on every prompt at every
+    temperature, each first by turns (the machine's drift hits both alike); per dataset the tokens/s of each
+    (the tokens after the prefill's over their time, summed over the prompts), their ratio, tau, what auto chose, and whether its text
+    is plain decoding's (greedy)."""
+    costs = model.costs()
+    report = {"machine": machine(), "model": str(model.target.path), "eagle": model.head_path,
+              "max_tokens": args.max_tokens, "costs": costs.asdict(), "temps": {}}
+    for temp in args.temps:
+        rows = []
+        for i, (src, ids) in enumerate(encoded):
+            row = {"source": src, "prompt_tokens": len(ids)}
+            modes = (("plain", False), ("auto", "auto"))
+            for name, speculate in modes[:: 1 if i % 2 == 0 else -1]:  # (each first by turns)
+                row[name] = timed_generation(model, tokenizer, ids, max_tokens=args.max_tokens,
+                                             temp=temp, seed=args.seed + i,
+                                             speculate=speculate)
+            a, p = row["auto"], row["plain"]
+            row["identical"] = a["tokens"] == p["tokens"] if temp == 0 else None
+            rows.append(row)
+            print(f"[{src} {i + 1}/{len(encoded)} temp {temp}] plain "
+                  f"{(len(p['tokens']) - 1) / p['seconds']:.2f} tok/s, auto "
+                  f"{(len(a['tokens']) - 1) / a['seconds']:.2f} tok/s, tau "
+                  f"{len(a['tokens']) / max(a['target_forwards'], 1):.2f}, {a['passes']}",
+                  file=sys.stderr)
+        summary = {}
+        for src in dict.fromkeys(r["source"] for r in rows):
+            mine = [r for r in rows if r["source"] == src]
+            tps = {m: sum(len(r[m]["tokens"]) - 1 for r in mine) /
+                   sum(r[m]["seconds"] for r in mine) for m in ("plain", "auto")}
+            passes = {}
+            for r in mine:
+                for k, n in r["auto"]["passes"].items():
+                    passes[k] = passes.get(k, 0) + n
+            summary[src] = {
+                "plain_tokens_per_second": tps["plain"], "auto_tokens_per_second": tps["auto"],
+                "ratio": tps["auto"] / tps["plain"],
+                "tau": sum(len(r["auto"]["tokens"]) for r in mine) /
+                max(sum(r["auto"]["target_forwards"] for r in mine), 1),
+                "passes": passes,
+                "identical": all(r["identical"] for r in mine) if temp == 0 else None}
+            s = summary[src]
+            print(f"temp {temp} {src}: plain {s['plain_tokens_per_second']:.2f} tok/s, auto "
+                  f"{s['auto_tokens_per_second']:.2f} tok/s ({s['ratio']:.2f}x), tau "
+                  f"{s['tau']:.2f}, passes {passes}"
+                  + ("" if temp else f", identical to plain: {s['identical']}"))
+        report["temps"][str(temp)] = {"summary": summary, "prompts": rows}
+    if args.batch_sizes:
+        report["batch"] = auto_batch_report(model, tokenizer, encoded, args)
+    return report
+
+
+def auto_batch_report(model, tokenizer, encoded, args) -> dict:
+    """Batches of every --batch-sizes B under adaptive speculation against the same
+    batches decoded plainly, greedy, interleaved (each first by turns): per dataset, its
+    prompts B at a time (cycled to fill the last batch); aggregate tokens/s of each, the
+    ratio, the passes auto chose and whether every row's text is plain decoding's."""
+    from ..decoding.settings import GenerationSettings
+    from ..generation import batch_generate
+
+    out = {}
+    for B in sorted(set(args.batch_sizes)):
+        size = 2
+        while size <= B:  # (a batch's costs at every size its rows choose with: before timing)
+            model.costs(batch=size)
+            size *= 2
+        per_source = {}
+        for src in dict.fromkeys(src for src, _ in encoded):
+            ids = [x for s, x in encoded if s == src]
+            groups = [[ids[(g + j) % len(ids)] for j in range(B)]
+                      for g in range(0, len(ids), B)]
+            tokens = {"plain": 0, "auto": 0}
+            seconds = {"plain": 0.0, "auto": 0.0}
+            passes, identical = {}, True
+            for i, group in enumerate(groups):
+                got = {}
+                for mode in (("plain", "auto") if i % 2 == 0 else ("auto", "plain")):
+                    settings = GenerationSettings(max_tokens=args.max_tokens, speculate=(
+                        False if mode == "plain" else "auto"))
+                    start = time.perf_counter()
+                    res = batch_generate(model, tokenizer, group, settings=[settings] * B,
+                                         max_batch=B)
+                    seconds[mode] += time.perf_counter() - start
+                    tokens[mode] += res.stats["generation_tokens"]
+                    got[mode] = [r.tokens for r in res.results]
+                    if mode == "auto":
+                        for r in res.results:
+                            for k, n in r.passes.items():
+                                passes[k] = passes.get(k, 0) + n
+                identical = identical and got["plain"] == got["auto"]
+            tps = {m: tokens[m] / max(seconds[m], 1e-9) for m in tokens}
+            per_source[src] = {"plain_tokens_per_second": tps["plain"],
+                               "auto_tokens_per_second": tps["auto"],
+                               "ratio": tps["auto"] / max(tps["plain"], 1e-9),
+                               "passes": passes, "identical": identical}
+            r = per_source[src]
+            print(f"batch {B} {src}: plain {tps['plain']:.2f} tok/s, auto "
+                  f"{tps['auto']:.2f} tok/s ({r['ratio']:.2f}x), passes {passes}, identical "
+                  f"to plain: {identical}")
+        out[str(B)] = per_source
+    return out
