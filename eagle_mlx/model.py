@@ -152,6 +152,34 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
     Returns (EagleModel, tokenizer); with eagle=None and no lookup decoding is plain.
     """
     convert_to = resolve_dtype(dtype)
+    group, auto, lookup = _checked(lazy, draft_vocab, draft_vocab_data, draft_window,
+                                   draft_confidence, group, lookup)
+    t, tokenizer = load_target(target, lazy=lazy, dtype=dtype, group=group)
+    if eagle is None:
+        tuning = read_tuning(None, t.path, t.dtype) if auto else None
+        return EagleModel(t, group=group, lookup=_calibrated(lookup, tuning),
+                          auto_lookup=_calibrated(lookup or LookupSettings(), tuning)
+                          if auto else None), tokenizer
+    head = load_head(eagle, t)
+    _set_draft_limits(head, eagle, draft_window, draft_confidence)
+    if convert_to is not None:
+        convert_dtype(head, convert_to)
+        if not lazy:
+            mx.eval(head.parameters())
+    path = head.source.path
+    tuning = read_tuning(path, t.path, t.dtype)
+    if draft_vocab is None and tuning and tuning.get("draft_vocab"):
+        draft_vocab = tuning["draft_vocab"]  # the benchmark's choice on this machine
+    if draft_vocab:
+        attach_draft_vocab(head, t, tokenizer, draft_vocab, draft_vocab_data)
+    return EagleModel(t, head, str(path), tuning, group, _calibrated(lookup, tuning),
+                      _calibrated(lookup or LookupSettings(), tuning) if auto else None), tokenizer
+
+
+def _checked(lazy, draft_vocab, draft_vocab_data, draft_window, draft_confidence, group,
+             lookup):
+    """`load`'s arguments checked: (the group, or None on one machine; whether auto may
+    choose prompt lookup; the lookup settings forced, or None)."""
     check(isinstance(lazy, bool), f"lazy must be True or False (got {lazy!r}).", "lazy")
     check(draft_vocab is None or (is_int(draft_vocab) and draft_vocab >= 0),
           f"draft_vocab must be a whole number of tokens (0: the whole vocabulary) or None "
@@ -179,13 +207,11 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
                          f"(got {type(lookup).__name__}).")
     else:
         lookup.check()
-    t, tokenizer = load_target(target, lazy=lazy, dtype=dtype, group=group)
-    if eagle is None:
-        tuning = read_tuning(None, t.path, t.dtype) if auto else None
-        return EagleModel(t, group=group, lookup=_calibrated(lookup, tuning),
-                          auto_lookup=_calibrated(lookup or LookupSettings(), tuning)
-                          if auto else None), tokenizer
-    head = load_head(eagle, t)
+    return group, auto, lookup
+
+
+def _set_draft_limits(head, eagle, draft_window, draft_confidence) -> None:
+    """`load`'s draft_window and draft_confidence, set on the drafters they apply to."""
     if draft_window is not None:
         check(getattr(head, "block", False) or hasattr(head, "cache_layers") and
               not getattr(head, "reads_kv", False),
@@ -201,18 +227,6 @@ def load(target: str, eagle: Optional[str] = None, lazy: bool = False,
               f"a {head.kind} {'drafter without one' if getattr(head, 'block', False) else 'head'}.",
               "draft_confidence")
         head.args.confidence_threshold = float(draft_confidence)
-    if convert_to is not None:
-        convert_dtype(head, convert_to)
-        if not lazy:
-            mx.eval(head.parameters())
-    path = head.source.path
-    tuning = read_tuning(path, t.path, t.dtype)
-    if draft_vocab is None and tuning and tuning.get("draft_vocab"):
-        draft_vocab = tuning["draft_vocab"]  # the benchmark's choice on this machine
-    if draft_vocab:
-        attach_draft_vocab(head, t, tokenizer, draft_vocab, draft_vocab_data)
-    return EagleModel(t, head, str(path), tuning, group, _calibrated(lookup, tuning),
-                      _calibrated(lookup or LookupSettings(), tuning) if auto else None), tokenizer
 
 
 def _calibrated(lookup, tuning):

@@ -308,16 +308,16 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-def _main(argv) -> int:
-    from .cli import SPECULATE, UsageError, flag_name, kv_settings, load_from_args
+def _check_flags(args):
+    """Every flag's value, before the model loads: the defaults of requests that give none."""
+    from .cli import SPECULATE, UsageError, flag_name, kv_settings
     from .decoding.settings import GenerationSettings
 
-    args = build_parser().parse_args(argv)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be from 0 to 65535 (got {args.port}).")
     if args.max_body_bytes < 1024:
         raise UsageError(f"--max-body-bytes must be at least 1024 (got {args.max_body_bytes}).")
-    try:  # the defaults of requests that give none
+    try:
         defaults = GenerationSettings(max_tokens=args.max_tokens, temp=args.temp,
                                       speculate=SPECULATE[args.speculate],
                                       **kv_settings(args)).check(name=flag_name)
@@ -340,14 +340,13 @@ def _main(argv) -> int:
                          "position (give --max-batch 1 with --max-kv-size).")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key is empty.")
-    model, tokenizer = load_from_args(args)
-    if model.group is not None and args.max_batch > 1:
-        raise UsageError("--max-batch runs on one machine; under mlx.launch serve one request at "
-                         "a time (--max-batch 1).")
-    if model.group is not None and model.group.rank() != 0:
-        follow(model, tokenizer)  # rank 0 serves; this rank runs its share of the work
-        return 0
-    model_id = args.model_id or args.model or "eagle_mlx-demo"
+    return defaults
+
+
+def _prepare(model, args, defaults):
+    """Before serving: the prompt cache file read (and the defaults it allows), quantized
+    caches checked, and auto's costs measured where this machine has no record yet (with
+    the quantized caches served with, and a batch's at every size its rows choose with)."""
     cache = None
     if args.prompt_cache_file is not None:
         from .cache_file import load
@@ -360,13 +359,43 @@ def _main(argv) -> int:
 
         check_kv(model, defaults.kv)  # (refused before serving, not at every request)
     if defaults.speculate == "auto" and model.group is None:
-        model.costs()  # (measured before serving, where this machine has no record yet)
+        model.costs()
         if defaults.kv is not None:
-            model.costs(defaults.kv)  # (and with the quantized caches it serves with)
+            model.costs(defaults.kv)
         size = 2
-        while size <= args.max_batch:  # (and a batch's, at every size its rows choose with)
+        while size <= args.max_batch:
             model.costs(batch=size)
             size *= 2
+    return cache, defaults
+
+
+def _mode(model, defaults, max_batch: int) -> str:
+    """What the server decodes with, as its first line says."""
+    mode = "plain decoding" if model.head is None else f"{model.head.kind} head"
+    if model.lookup is not None:
+        mode = "prompt lookup" if model.head is None else mode + " with prompt lookup"
+    if defaults.speculate == "auto" and model.group is None:
+        mode = "adaptive: plain" + (", prompt lookup" if model.auto_lookup is not None else "") \
+            + ("" if model.head is None else f", {model.head.kind} head")
+    if max_batch > 1:
+        mode += f", up to {max_batch} requests batched"
+    return mode
+
+
+def _main(argv) -> int:
+    from .cli import UsageError, load_from_args
+
+    args = build_parser().parse_args(argv)
+    defaults = _check_flags(args)
+    model, tokenizer = load_from_args(args)
+    if model.group is not None and args.max_batch > 1:
+        raise UsageError("--max-batch runs on one machine; under mlx.launch serve one request at "
+                         "a time (--max-batch 1).")
+    if model.group is not None and model.group.rank() != 0:
+        follow(model, tokenizer)  # rank 0 serves; this rank runs its share of the work
+        return 0
+    model_id = args.model_id or args.model or "eagle_mlx-demo"
+    cache, defaults = _prepare(model, args, defaults)
     try:
         server = Server((args.host, args.port), Handler, max_connections=args.max_connections)
     except OSError as e:
@@ -391,15 +420,8 @@ def _main(argv) -> int:
     http = threading.Thread(target=server.serve_forever, name="eagle-http", daemon=True)
     http.start()
     host, port = server.server_address[:2]
-    mode = "plain decoding" if model.head is None else f"{model.head.kind} head"
-    if model.lookup is not None:
-        mode = "prompt lookup" if model.head is None else mode + " with prompt lookup"
-    if defaults.speculate == "auto" and model.group is None:
-        mode = "adaptive: plain" + (", prompt lookup" if model.auto_lookup is not None else "") \
-            + ("" if model.head is None else f", {model.head.kind} head")
-    if args.max_batch > 1:
-        mode += f", up to {args.max_batch} requests batched"
-    print(f"serving {model_id} ({mode}) on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    print(f"serving {model_id} ({_mode(model, defaults, args.max_batch)}) on "
+          f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
     try:
         server.engine.run()  # here, on the main thread, until a signal stops it
     finally:

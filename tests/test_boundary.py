@@ -153,6 +153,19 @@ def test_no_module_takes_another_modules_private_name():
     assert not offenders, offenders
 
 
+def test_functions_and_classes_stay_small():
+    """No function of the package longer than 80 lines, no class longer than 250."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            limit = 80 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) else \
+                250 if isinstance(n, ast.ClassDef) else None
+            if limit and n.end_lineno - n.lineno + 1 > limit:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{n.lineno} {n.name}: "
+                                 f"{n.end_lineno - n.lineno + 1} lines")
+    assert not offenders, offenders
+
+
 def test_the_layout_table_names_every_module_and_only_modules_that_exist():
     """CONTRIBUTING.md's layout table: every module of the package in a row, and every
     file a row names is there."""

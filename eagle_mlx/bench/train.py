@@ -22,6 +22,49 @@ from pathlib import Path
 
 
 
+def _record(a, tmp: Path):
+    """Features of --conversations recorded with regen (timed), and their texts as a
+    conversations file: (features folder, text file, tokens recorded, seconds)."""
+    from ..regen import main as regen_main
+
+    feats = tmp / "features"
+    t0 = time.perf_counter()
+    assert regen_main(["--model", a.model, "--out", str(feats), "--answers", "data",
+                       "--num-conversations", str(a.conversations), "--max-len", str(a.max_len),
+                       "--quiet"]) == 0
+    record_s = time.perf_counter() - t0
+    index = json.loads((feats / "index.json").read_text())
+    recorded = sum(s["tokens"] for s in index["shards"])
+    text = tmp / "conversations.jsonl"
+    text.write_text("".join((feats / s["text"]).read_text() for s in index["shards"]))
+    return feats, text, recorded, record_s
+
+
+def _timed_steps(target, tokenizer, argv, source, text, feats, a):
+    """--steps training steps of the train tool's flags `argv` after a warm-up, from the
+    target in the loop or the recorded features: (tokens, seconds)."""
+    from ..train import build_parser, check_args
+    from ..training.data import ConversationData, FeatureData, load_conversations
+    from ..training.features import FeatureShards
+    from ..training.trainer import Trainer
+
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    if source == "loop":
+        data = ConversationData(target, tokenizer, load_conversations(str(text)), args)
+    else:
+        data = FeatureData(target, tokenizer, FeatureShards(feats, target), args)
+    trainer = Trainer(target, data, args)
+    order = data.epoch_order(0)
+    batches = [data.batch(order[s: s + a.batch_size])
+               for s in range(0, (a.steps + 1) * a.batch_size, a.batch_size)]
+    trainer.train_step(batches[0])  # warm-up
+    t = time.perf_counter()
+    for b in batches[1:]:
+        trainer.train_step(b)
+    return sum(b[3] for b in batches[1:]), time.perf_counter() - t
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m eagle_mlx.benchmark train", description=__doc__.split("\n\n")[0])
@@ -42,30 +85,14 @@ def main(argv=None) -> int:
     if any(not 1 <= u <= MAX_UNROLL for u in a.unroll or []):
         p.error(f"--unroll must be from 1 to {MAX_UNROLL} steps (got {a.unroll}).")
 
-    from ..training.data import load_conversations
-    from ..training.features import FeatureShards
-    from ..regen import main as regen_main
     from ..targets.load import load_target
-    from ..train import build_parser, check_args
-    from ..training.data import ConversationData, FeatureData
-    from ..training.trainer import Trainer
 
     if a.model is None:
         from ..demo import demo_target
 
         a.model = str(demo_target())
     tmp = Path(tempfile.mkdtemp(prefix="bench_train_"))
-    feats = tmp / "features"
-    t0 = time.perf_counter()
-    assert regen_main(["--model", a.model, "--out", str(feats), "--answers", "data",
-                       "--num-conversations", str(a.conversations), "--max-len", str(a.max_len),
-                       "--quiet"]) == 0
-    record_s = time.perf_counter() - t0
-    index = json.loads((feats / "index.json").read_text())
-    recorded = sum(s["tokens"] for s in index["shards"])
-    text = tmp / "conversations.jsonl"
-    text.write_text("".join((feats / s["text"]).read_text() for s in index["shards"]))
-
+    feats, text, recorded, record_s = _record(a, tmp)
     target, tokenizer = load_target(a.model)
     modes = [("target in the loop", "loop", "soft", None),
              (f"target in the loop, loss over {a.draft_vocab} tokens", "loop", "soft",
@@ -89,22 +116,7 @@ def main(argv=None) -> int:
             if unroll:
                 argv += ["--unroll", str(unroll)]
                 name += f", unroll {unroll}"
-            args = build_parser().parse_args(argv)
-            check_args(args)
-            if source == "loop":
-                data = ConversationData(target, tokenizer, load_conversations(str(text)), args)
-            else:
-                data = FeatureData(target, tokenizer, FeatureShards(feats, target), args)
-            trainer = Trainer(target, data, args)
-            order = data.epoch_order(0)
-            batches = [data.batch(order[s: s + a.batch_size])
-                       for s in range(0, (a.steps + 1) * a.batch_size, a.batch_size)]
-            trainer.train_step(batches[0])  # warm-up
-            t = time.perf_counter()
-            for b in batches[1:]:
-                trainer.train_step(b)
-            seconds = time.perf_counter() - t
-            tokens = sum(b[3] for b in batches[1:])
+            tokens, seconds = _timed_steps(target, tokenizer, argv, source, text, feats, a)
             tps = tokens / seconds
             base = base or tps
             rows.append({"kind": kind, "mode": name, "tokens": tokens, "seconds": round(seconds, 2),

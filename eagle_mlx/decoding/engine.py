@@ -94,7 +94,64 @@ class Verified:
     logits: mx.array
 
 
-class Engine:
+class DraftsAhead:
+    """The engine's pipelining: where a cycle is a plain pass, the next cycle's plain pass is
+    built on the token not yet known, and (`pipeline`) the next cycle is drafted and
+    verified while the caller handles this one's tokens. Mixed into `Engine`, whose
+    `target`, `drafter`, `max_context`, `draft`, `verify` and `plain_pass` it uses."""
+
+    def decides_plain(self, state: State, tree: Tree) -> bool:
+        """Whether the drafter decides now, before this cycle's token is known, that the next
+        pass is plain (`Drafter.plain_ahead`). Asked wherever this cycle is a plain pass that
+        a plain pass could follow without a tree's recurrent states, whether or not the engine
+        pipelines (a batch's rows ask too), so a sequence's choices are the same everywhere."""
+        return self.drafter.drafts_ahead and self._plain_follows(state, tree) and \
+            self.drafter.plain_ahead(state.drafter)
+
+    def _plain_follows(self, state: State, tree: Tree) -> bool:
+        """Whether this cycle is a plain pass whose row stays in place and another plain
+        pass, without recurrent states, fits after it (one more position and a tree)."""
+        return tree.tokens.shape[0] == 1 and not self.target.node_state_bytes and \
+            state.n + 1 + self.drafter.max_depth < self.max_context
+
+    def prebuild(self, state: State, tree: Tree, accepted, keep: bool = True
+                 ) -> Optional[tuple]:
+        """Where this cycle is a plain pass (the root alone, its row kept in place), the
+        next plain pass's graph, built on the token not yet computed while the device
+        computes it, as mlx-lm's plain decoding builds each step: (verified, the caches'
+        snapshot to forget it by, should the drafter choose otherwise; None where `keep` is
+        False: the drafter has decided on it already, and a snapshot copies every layer's
+        buffers). None elsewhere."""
+        if not self._plain_follows(state, tree) or not self.target.snapshots(state.caches):
+            return None
+        self.target.accept(state.caches, state.n, [state.n])  # (in place: nothing moves)
+        saved = self.target.snapshot(state.caches) if keep else None
+        return self.plain_pass(state, accepted[1].reshape(1)), saved
+
+    def ahead(self, state: State, prebuilt: Optional[tuple] = None,
+              started: Optional[float] = None) -> None:
+        """The next cycle's draft and verify now, evaluated while the caller handles this
+        cycle's tokens (a plain pass's verify is `prebuilt`, from `prebuild`, where there is
+        one; `started`: it is running already, since then — the drafter decided it ahead).
+        The drafter has consumed the pending features and tokens."""
+        start = time.perf_counter() if started is None else started
+        tree = self.draft(state)
+        state.feats = state.tokens = None
+        if prebuilt is not None:
+            if tree.tokens.shape[0] == 1:
+                verified = prebuilt[0]
+            else:
+                assert started is None, "a plain pass decided ahead was drafted otherwise"
+                self.target.restore(state.caches, prebuilt[1])
+                prebuilt = None
+        if prebuilt is None:
+            verified = self.verify(state, tree)
+        if started is None:
+            mx.async_eval(verified.logits, verified.hidden, *verified.tapped)
+        state.ahead = (tree, verified, start)
+
+
+class Engine(DraftsAhead):
     def __init__(self, target, drafter, sampling: SamplingParams, max_context: int,
                  logprobs: Optional[int] = None, pipeline: bool = False,
                  kv: Optional[KVQuantization] = None, split_prompt: bool = False):
@@ -221,56 +278,6 @@ class Engine:
             # (mlx-lm's async_eval pattern): the next cycle starts from evaluated caches
             mx.async_eval(*self.updated_arrays(state))
         return step
-
-    def decides_plain(self, state: State, tree: Tree) -> bool:
-        """Whether the drafter decides now, before this cycle's token is known, that the next
-        pass is plain (`Drafter.plain_ahead`). Asked wherever this cycle is a plain pass that
-        a plain pass could follow without a tree's recurrent states, whether or not the engine
-        pipelines (a batch's rows ask too), so a sequence's choices are the same everywhere."""
-        return self.drafter.drafts_ahead and self._plain_follows(state, tree) and \
-            self.drafter.plain_ahead(state.drafter)
-
-    def _plain_follows(self, state: State, tree: Tree) -> bool:
-        """Whether this cycle is a plain pass whose row stays in place and another plain
-        pass, without recurrent states, fits after it (one more position and a tree)."""
-        return tree.tokens.shape[0] == 1 and not self.target.node_state_bytes and \
-            state.n + 1 + self.drafter.max_depth < self.max_context
-
-    def prebuild(self, state: State, tree: Tree, accepted, keep: bool = True
-                 ) -> Optional[tuple]:
-        """Where this cycle is a plain pass (the root alone, its row kept in place), the
-        next plain pass's graph, built on the token not yet computed while the device
-        computes it, as mlx-lm's plain decoding builds each step: (verified, the caches'
-        snapshot to forget it by, should the drafter choose otherwise; None where `keep` is
-        False: the drafter has decided on it already, and a snapshot copies every layer's
-        buffers). None elsewhere."""
-        if not self._plain_follows(state, tree) or not self.target.snapshots(state.caches):
-            return None
-        self.target.accept(state.caches, state.n, [state.n])  # (in place: nothing moves)
-        saved = self.target.snapshot(state.caches) if keep else None
-        return self.plain_pass(state, accepted[1].reshape(1)), saved
-
-    def ahead(self, state: State, prebuilt: Optional[tuple] = None,
-              started: Optional[float] = None) -> None:
-        """The next cycle's draft and verify now, evaluated while the caller handles this
-        cycle's tokens (a plain pass's verify is `prebuilt`, from `prebuild`, where there is
-        one; `started`: it is running already, since then — the drafter decided it ahead).
-        The drafter has consumed the pending features and tokens."""
-        start = time.perf_counter() if started is None else started
-        tree = self.draft(state)
-        state.feats = state.tokens = None
-        if prebuilt is not None:
-            if tree.tokens.shape[0] == 1:
-                verified = prebuilt[0]
-            else:
-                assert started is None, "a plain pass decided ahead was drafted otherwise"
-                self.target.restore(state.caches, prebuilt[1])
-                prebuilt = None
-        if prebuilt is None:
-            verified = self.verify(state, tree)
-        if started is None:
-            mx.async_eval(verified.logits, verified.hidden, *verified.tapped)
-        state.ahead = (tree, verified, start)
 
     def updated_arrays(self, state: State) -> list:
         """What the update leaves to evaluate: the kept features and every layer's cache."""

@@ -92,6 +92,111 @@ def _from_speculators(c: dict, where) -> dict:
     return out
 
 
+class _Fields:
+    """A block drafter's config.json read field by field: a field from its "dflash_config"
+    or the top level, and each value checked with one sentence naming the file."""
+
+    def __init__(self, config: dict, where: Path):
+        draft = config.get("dflash_config") or {}
+        if not isinstance(draft, dict):
+            raise EagleError(f"{where}: \"dflash_config\" must be an object.")
+        self.config, self.draft, self.where = config, draft, where
+
+    def get(self, key, default=None):
+        return self.draft.get(key, self.config.get(key, default))
+
+    def whole(self, key, value, low=1):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise EagleError(f"{self.where}: \"{key}\" must be a whole number of at least {low} "
+                             f"(got {value!r}).")
+        return value
+
+    def number(self, key, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise EagleError(f"{self.where}: \"{key}\" must be a number (got {value!r}).")
+        return float(value)
+
+
+def _layer_ids(f: _Fields, n_target, layers: int) -> tuple:
+    """The target layers the drafter reads (the reference's default spread where the
+    config names only how many target layers there are)."""
+    ids = f.get("target_layer_ids")
+    if ids is None:
+        if n_target is None:
+            raise EagleError(f"{f.where} has neither \"target_layer_ids\" nor "
+                             "\"num_target_layers\": which target layers it reads is unknown.")
+        ids = default_layer_ids(n_target, layers)
+    if not isinstance(ids, list) or not ids or \
+            not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise EagleError(f"{f.where}: \"target_layer_ids\" must be a non-empty list of "
+                         f"layer numbers (got {ids!r}).")
+    return tuple(ids)
+
+
+def _layer_types(f: _Fields, layers: int):
+    """(each layer's attention kind, the sliding window where some layer slides)."""
+    types = f.config.get("layer_types") or ["full_attention"] * layers
+    if not isinstance(types, list) or len(types) != layers or \
+            any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise EagleError(f"{f.where}: \"layer_types\" must list \"full_attention\" or "
+                         f"\"sliding_attention\" for each of its {layers} layers.")
+    window = f.config.get("sliding_window")
+    if "sliding_attention" in types:
+        if window is None:
+            raise EagleError(f"{f.where} has sliding_attention layers but no "
+                             "\"sliding_window\".")
+        f.whole("sliding_window", window, 2)
+    return tuple(types), window
+
+
+def _rope(f: _Fields):
+    """(RoPE's base, its scaling or None)."""
+    params = f.config.get("rope_parameters") or {}
+    theta = f.config.get("rope_theta") or params.get("rope_theta") or 1000000.0
+    scaling = f.config.get("rope_scaling") or (params if params.get("rope_type", "default")
+                                               != "default" else None)
+    kind = scaling and (scaling.get("type") or scaling.get("rope_type"))
+    if kind and kind != "default" and kind not in ROPE_TYPES:
+        raise EagleError(f"{f.where}: RoPE scaling \"{kind}\" is not supported (supported: "
+                         f"{', '.join(ROPE_TYPES)}).")
+    return theta, scaling if kind and kind != "default" else None
+
+
+def _dspark_fields(f: _Fields) -> dict:
+    """A DSpark drafter's own fields: where its logits start, its draft vocabulary, its
+    Markov head's rank and its confidence head."""
+    config = f.config
+    start = config.get("logits_start")
+    if start is None and isinstance(config.get("sample_from_anchor"), bool):
+        start = 0 if config["sample_from_anchor"] else 1
+    start = 0 if start is None else start
+    if start not in (0, 1):
+        raise EagleError(f"{f.where}: \"logits_start\" must be 0 or 1 (got {start!r}).")
+    dv = config.get("draft_vocab_size")
+    if dv is not None:
+        f.whole("draft_vocab_size", dv)
+    rank = config.get("markov_rank", 256)
+    f.whole("markov_rank", rank, 0)
+    return dict(dspark=True, logits_start=start,
+                draft_vocab_size=None if dv in (None, config["vocab_size"]) else dv,
+                markov_rank=rank, confidence=bool(config.get("enable_confidence_head", True)),
+                confidence_with_markov=bool(config.get("confidence_head_with_markov", True)))
+
+
+def _dflash2_fields(f: _Fields, H: int) -> dict:
+    """A DFlash 2 drafter's convolution and selector sizes."""
+    two = {}
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        if f.get(key) is None:
+            raise EagleError(f"{f.where} is a DFlash 2 drafter without \"{key}\" (in "
+                             "\"dflash_config\").")
+        two[key] = f.whole(key, f.get(key))
+    if H % two["conv_group_size"]:
+        raise EagleError(f"{f.where}: conv_group_size {two['conv_group_size']} does not "
+                         f"divide hidden_size {H}.")
+    return two
+
+
 @dataclass
 class BlockArgs:
     hidden_size: int
@@ -143,125 +248,53 @@ class BlockArgs:
                 if test(config):
                     raise EagleError(f"{where} is a DSpark drafter with {what}, which eagle_mlx "
                                      "does not read yet.")
-        draft = config.get("dflash_config") or {}
-        if not isinstance(draft, dict):
-            raise EagleError(f"{where}: \"dflash_config\" must be an object.")
-
-        def get(key, default=None):
-            return draft.get(key, config.get(key, default))
-
-        def whole(key, value, low=1):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise EagleError(f"{where}: \"{key}\" must be a whole number of at least {low} "
-                                 f"(got {value!r}).")
-            return value
-
-        def number(key, value):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise EagleError(f"{where}: \"{key}\" must be a number (got {value!r}).")
-            return float(value)
-
+        f = _Fields(config, where)
         for key in ("hidden_size", "intermediate_size", "num_attention_heads",
                     "num_hidden_layers", "vocab_size"):
             if key not in config:
                 raise EagleError(f"{where} has no \"{key}\": not a DFlash drafter's config.")
-            whole(key, config[key])
+            f.whole(key, config[key])
         H, heads = config["hidden_size"], config["num_attention_heads"]
         layers = config["num_hidden_layers"]
-        mask = get("mask_token_id")
+        mask = f.get("mask_token_id")
         if mask is None:
             raise EagleError(f"{where} has no \"mask_token_id\" (in \"dflash_config\"): a "
                              "DFlash drafter needs the token its blocks are filled with.")
-        whole("mask_token_id", mask, 0)
-        ids = get("target_layer_ids")
+        f.whole("mask_token_id", mask, 0)
         n_target = config.get("num_target_layers")
         if n_target is not None:
-            whole("num_target_layers", n_target)
-        if ids is None:  # the reference's default spread
-            if n_target is None:
-                raise EagleError(f"{where} has neither \"target_layer_ids\" nor "
-                                 "\"num_target_layers\": which target layers it reads is "
-                                 "unknown.")
-            ids = default_layer_ids(n_target, layers)
-        if not isinstance(ids, list) or not ids or \
-                not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise EagleError(f"{where}: \"target_layer_ids\" must be a non-empty list of "
-                             f"layer numbers (got {ids!r}).")
-        types = config.get("layer_types") or ["full_attention"] * layers
-        if not isinstance(types, list) or len(types) != layers or \
-                any(t not in ("full_attention", "sliding_attention") for t in types):
-            raise EagleError(f"{where}: \"layer_types\" must list \"full_attention\" or "
-                             f"\"sliding_attention\" for each of its {layers} layers.")
-        window = config.get("sliding_window")
-        if "sliding_attention" in types:
-            if window is None:
-                raise EagleError(f"{where} has sliding_attention layers but no "
-                                 "\"sliding_window\".")
-            whole("sliding_window", window, 2)
-        params = config.get("rope_parameters") or {}
-        theta = config.get("rope_theta") or params.get("rope_theta") or 1000000.0
-        scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default")
-                                                 != "default" else None)
-        kind = scaling and (scaling.get("type") or scaling.get("rope_type"))
-        if kind and kind != "default" and kind not in ROPE_TYPES:
-            raise EagleError(f"{where}: RoPE scaling \"{kind}\" is not supported (supported: "
-                             f"{', '.join(ROPE_TYPES)}).")
-        cap = get("final_logit_softcapping")
-        causal = get("causal", get("is_causal"))
+            f.whole("num_target_layers", n_target)
+        types, window = _layer_types(f, layers)
+        theta, scaling = _rope(f)
+        cap = f.get("final_logit_softcapping")
+        causal = f.get("causal", f.get("is_causal"))
         version = 2 if "DFlash2DraftModel" in (config.get("architectures") or ()) else 1
-        two = {}
-        if dspark:
-            start = config.get("logits_start")
-            if start is None and isinstance(config.get("sample_from_anchor"), bool):
-                start = 0 if config["sample_from_anchor"] else 1
-            start = 0 if start is None else start
-            if start not in (0, 1):
-                raise EagleError(f"{where}: \"logits_start\" must be 0 or 1 (got {start!r}).")
-            dv = config.get("draft_vocab_size")
-            if dv is not None:
-                whole("draft_vocab_size", dv)
-            rank = config.get("markov_rank", 256)
-            whole("markov_rank", rank, 0)
-            two = dict(dspark=True, logits_start=start,
-                       draft_vocab_size=None if dv in (None, config["vocab_size"]) else dv,
-                       markov_rank=rank,
-                       confidence=bool(config.get("enable_confidence_head", True)),
-                       confidence_with_markov=bool(config.get("confidence_head_with_markov",
-                                                              True)))
+        two = _dspark_fields(f) if dspark else {}
         if version == 2:
-            for key in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                        "selector_top_k"):
-                if get(key) is None:
-                    raise EagleError(f"{where} is a DFlash 2 drafter without \"{key}\" (in "
-                                     "\"dflash_config\").")
-                two[key] = whole(key, get(key))
-            if H % two["conv_group_size"]:
-                raise EagleError(f"{where}: conv_group_size {two['conv_group_size']} does not "
-                                 f"divide hidden_size {H}.")
+            two.update(_dflash2_fields(f, H))
         return cls(
             hidden_size=H, intermediate_size=config["intermediate_size"],
             num_attention_heads=heads,
-            num_key_value_heads=whole("num_key_value_heads",
-                                      config.get("num_key_value_heads") or heads),
-            head_dim=whole("head_dim", config.get("head_dim") or H // heads),
+            num_key_value_heads=f.whole("num_key_value_heads",
+                                        config.get("num_key_value_heads") or heads),
+            head_dim=f.whole("head_dim", config.get("head_dim") or H // heads),
             num_hidden_layers=layers, vocab_size=config["vocab_size"],
-            target_layer_ids=tuple(ids),
-            block_size=whole("block_size", get("block_size", 16), 2),
+            target_layer_ids=_layer_ids(f, n_target, layers),
+            block_size=f.whole("block_size", f.get("block_size", 16), 2),
             mask_token_id=mask,
-            rms_norm_eps=number("rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
-            rope_theta=number("rope_theta", theta),
-            rope_scaling=scaling if kind and kind != "default" else None,
+            rms_norm_eps=f.number("rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
+            rope_theta=f.number("rope_theta", theta), rope_scaling=scaling,
             max_position_embeddings=config.get("max_position_embeddings") or 40960,
             attention_bias=bool(config.get("attention_bias", False)),
-            layer_types=tuple(types), sliding_window=window,
+            layer_types=types, sliding_window=window,
             is_causal=None if causal is None else bool(causal),
             num_target_layers=n_target,
-            input_embedding_scale=number("input_embedding_scale",
-                                         get("input_embedding_scale", 1.0)),
-            output_multiplier=number("output_multiplier", get("output_multiplier", 1.0)),
-            final_logit_softcapping=None if cap is None else number(
+            input_embedding_scale=f.number("input_embedding_scale",
+                                           f.get("input_embedding_scale", 1.0)),
+            output_multiplier=f.number("output_multiplier", f.get("output_multiplier", 1.0)),
+            final_logit_softcapping=None if cap is None else f.number(
                 "final_logit_softcapping", cap),
-            draft_window=get("draft_window_size"),
+            draft_window=f.get("draft_window_size"),
             version=version, **two,
         )
 

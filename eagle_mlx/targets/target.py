@@ -60,8 +60,138 @@ class TargetLM:
         return self.target.lm_head(hidden)
 
 
-class Target:
-    """A loaded mlx-lm model plus the tree forward pass."""
+class TargetCaches:
+    """A target's caches, one per layer that keeps one (`mechanisms`: each layer's mechanism,
+    set by `Target`): made, accepted into, snapshotted, quantized, cut back, joined into a
+    batch and read back."""
+
+    mechanisms: list
+
+    def make_cache(self, max_kv_size: Optional[int] = None) -> list:
+        """One cache per layer that keeps one (KV-shared layers read another's); max_kv_size:
+        full-attention layers keep mlx-lm's bounded cache of that many positions."""
+        return [m.make_cache(max_kv_size) if isinstance(m, AttentionMechanism) else
+                m.make_cache() for m in self.mechanisms if m.source is None]
+
+    @property
+    def bounds_kv(self) -> bool:
+        """Whether max_kv_size can bound this model's caches: every layer attends to every
+        position (mlx-lm's bounded cache replaces each layer's; a model with sliding windows,
+        KV sharing or recurrent layers keeps its own)."""
+        return all(isinstance(m, AttentionMechanism) and m.window is None and m.source is None
+                   for m in self.mechanisms)
+
+    def accept(self, caches, start: int, rows) -> None:
+        """After a verify pass: every layer keeps the accepted tree rows `rows` (absolute
+        positions, root first; a list, or an array) at start.."""
+        for m, c in zip(self.mechanisms, caches):
+            m.accept(c, start, rows)
+
+    @staticmethod
+    def snapshots(caches) -> bool:
+        """Whether every cache can `snapshot` (not a recurrent state, not a bounded one)."""
+        return all(isinstance(c, (TreeKVCache, QuantizedTreeKVCache)) for c in caches)
+
+    @classmethod
+    def snapshot(cls, caches) -> Optional[list]:
+        """What `restore` needs to forget the updates made to `caches` after this call (a
+        forward built but not evaluated; it copies every buffer); None where a cache cannot
+        (`snapshots`)."""
+        return [c.snapshot() for c in caches] if cls.snapshots(caches) else None
+
+    @staticmethod
+    def quantize(caches, kv) -> bool:
+        """mlx-lm's switch to quantized caches (`maybe_quantize_kv_cache`) for `kv` (a
+        `KVQuantization`; None: none): every full-attention cache, once it holds
+        `kv.start` positions, packed in place in the list (sliding windows and recurrent
+        states stay as they are, as in mlx-lm). Whether every cache that can be is now."""
+        if kv is None:
+            return True
+        mlxlm.maybe_quantize_kv_cache(caches, kv.start, kv.group_size, kv.bits)
+        return not any(hasattr(c, "to_quantized") for c in caches)
+
+    @staticmethod
+    def restore(caches, saved: list) -> None:
+        for c, s in zip(caches, saved):
+            c.restore(s)
+
+    def reusable(self, caches, length: int) -> bool:
+        """Whether every layer can be cut back to its first `length` positions exactly (a
+        sliding-window layer has dropped what its window no longer sees)."""
+        return all(m.reusable(c, length) for m, c in zip(self.mechanisms, caches))
+
+    def truncate(self, caches, length: int) -> None:
+        """Every layer forgets what follows the first `length` positions."""
+        for m, c in zip(self.mechanisms, caches):
+            m.truncate(c, length)
+
+    def make_batch_cache(self) -> list:
+        """Per layer (as `make_cache`), the cache of a batch of sequences: rows join from a
+        sequence's own caches (`batch_join`) and leave (`batch_filter`) between cycles."""
+        return [m.make_batch_cache() for m in self.mechanisms if m.source is None]
+
+    @staticmethod
+    def batch_join(batch, caches) -> None:
+        """Add a sequence (its own caches after its prefill) as the batch's last row."""
+        for bc, c in zip(batch, caches):
+            bc.extend(c)
+
+    def batch_extract(self, batch, b: int, length: int) -> list:
+        """Row b of a batch (holding `length` positions) as a sequence's own caches."""
+        kept = [m for m in self.mechanisms if m.source is None]
+        return [bc.extract(b, m.window) if isinstance(bc, RaggedKVCache) else
+                bc.extract(b, length) for m, bc in zip(kept, batch)]
+
+    @staticmethod
+    def batch_filter(batch, rows) -> None:
+        for bc in batch:
+            bc.filter(rows)
+
+    @staticmethod
+    def batch_accept(batch, kept) -> None:
+        """After a batch verify: row b keeps its accepted tree nodes kept[b] (indices in its
+        tree, root first)."""
+        for bc in batch:
+            bc.keep(kept)
+
+    @staticmethod
+    def cache_arrays(caches) -> list:
+        return [a for c in caches for a in c.arrays()]
+
+    def _cache_of(self, caches, layer: int):
+        """Layer `layer`'s own cache in `caches` (one per layer that keeps one)."""
+        kept = [i for i, m in enumerate(self.mechanisms) if m.source is None]
+        return caches[kept.index(layer)]
+
+    def committed_kv(self, caches, layer: int, n: int, row: Optional[int] = None):
+        """The keys and values layer `layer` keeps for positions before `n`, in position
+        order ([1, kv heads, rows, D], as its attention reads them: roped, normed), and the
+        position of the first row (a window keeps only its last ones). Views of the cache's
+        buffer, no copy. row: the sequence's row where `caches` are a batch's."""
+        cache = self._cache_of(caches, layer)
+        if row is not None:
+            k, v = cache.row(row)
+            base = cache.bases[row]
+        else:
+            k, v, base = cache.keys, cache.values, getattr(cache, "base", 0)
+        return k[..., : n - base, :], v[..., : n - base, :], base
+
+    def batch_committed_kv(self, caches, layer: int, rows: Sequence[int]):
+        """`committed_kv` for several rows of a batch at once: keys and values
+        [len(rows), kv heads, slots, D] (views where `rows` are the whole batch in order)
+        and how many slots each row holds (its committed positions, first ones first)."""
+        cache = self._cache_of(caches, layer)
+        rows = list(rows)
+        k, v = cache.keys, cache.values
+        if rows != list(range(len(cache.lengths))):
+            idx = mx.array(rows, dtype=mx.int32)
+            k, v = k[idx], v[idx]
+        held = [cache.held[r] for r in rows]
+        return k[..., : max(held), :], v[..., : max(held), :], held
+
+
+class Target(TargetCaches):
+    """A loaded mlx-lm model plus the tree forward pass (its caches: `TargetCaches`)."""
 
     def __init__(self, model: nn.Module, config: dict, path: Optional[Path] = None):
         self.model = model
@@ -153,94 +283,6 @@ class Target:
         per_node = self.node_state_bytes
         return None if not per_node else max(2, tree_state_budget() // per_node)
 
-    def make_cache(self, max_kv_size: Optional[int] = None) -> list:
-        """One cache per layer that keeps one (KV-shared layers read another's); max_kv_size:
-        full-attention layers keep mlx-lm's bounded cache of that many positions."""
-        return [m.make_cache(max_kv_size) if isinstance(m, AttentionMechanism) else
-                m.make_cache() for m in self.mechanisms if m.source is None]
-
-    @property
-    def bounds_kv(self) -> bool:
-        """Whether max_kv_size can bound this model's caches: every layer attends to every
-        position (mlx-lm's bounded cache replaces each layer's; a model with sliding windows,
-        KV sharing or recurrent layers keeps its own)."""
-        return all(isinstance(m, AttentionMechanism) and m.window is None and m.source is None
-                   for m in self.mechanisms)
-
-    def accept(self, caches, start: int, rows) -> None:
-        """After a verify pass: every layer keeps the accepted tree rows `rows` (absolute
-        positions, root first; a list, or an array) at start.."""
-        for m, c in zip(self.mechanisms, caches):
-            m.accept(c, start, rows)
-
-    @staticmethod
-    def snapshots(caches) -> bool:
-        """Whether every cache can `snapshot` (not a recurrent state, not a bounded one)."""
-        return all(isinstance(c, (TreeKVCache, QuantizedTreeKVCache)) for c in caches)
-
-    @classmethod
-    def snapshot(cls, caches) -> Optional[list]:
-        """What `restore` needs to forget the updates made to `caches` after this call (a
-        forward built but not evaluated; it copies every buffer); None where a cache cannot
-        (`snapshots`)."""
-        return [c.snapshot() for c in caches] if cls.snapshots(caches) else None
-
-    @staticmethod
-    def quantize(caches, kv) -> bool:
-        """mlx-lm's switch to quantized caches (`maybe_quantize_kv_cache`) for `kv` (a
-        `KVQuantization`; None: none): every full-attention cache, once it holds
-        `kv.start` positions, packed in place in the list (sliding windows and recurrent
-        states stay as they are, as in mlx-lm). Whether every cache that can be is now."""
-        if kv is None:
-            return True
-        mlxlm.maybe_quantize_kv_cache(caches, kv.start, kv.group_size, kv.bits)
-        return not any(hasattr(c, "to_quantized") for c in caches)
-
-    @staticmethod
-    def restore(caches, saved: list) -> None:
-        for c, s in zip(caches, saved):
-            c.restore(s)
-
-    def reusable(self, caches, length: int) -> bool:
-        """Whether every layer can be cut back to its first `length` positions exactly (a
-        sliding-window layer has dropped what its window no longer sees)."""
-        return all(m.reusable(c, length) for m, c in zip(self.mechanisms, caches))
-
-    def truncate(self, caches, length: int) -> None:
-        """Every layer forgets what follows the first `length` positions."""
-        for m, c in zip(self.mechanisms, caches):
-            m.truncate(c, length)
-
-    # ---------------------------------------------------------------- batches
-    def make_batch_cache(self) -> list:
-        """Per layer (as `make_cache`), the cache of a batch of sequences: rows join from a
-        sequence's own caches (`batch_join`) and leave (`batch_filter`) between cycles."""
-        return [m.make_batch_cache() for m in self.mechanisms if m.source is None]
-
-    @staticmethod
-    def batch_join(batch, caches) -> None:
-        """Add a sequence (its own caches after its prefill) as the batch's last row."""
-        for bc, c in zip(batch, caches):
-            bc.extend(c)
-
-    def batch_extract(self, batch, b: int, length: int) -> list:
-        """Row b of a batch (holding `length` positions) as a sequence's own caches."""
-        kept = [m for m in self.mechanisms if m.source is None]
-        return [bc.extract(b, m.window) if isinstance(bc, RaggedKVCache) else
-                bc.extract(b, length) for m, bc in zip(kept, batch)]
-
-    @staticmethod
-    def batch_filter(batch, rows) -> None:
-        for bc in batch:
-            bc.filter(rows)
-
-    @staticmethod
-    def batch_accept(batch, kept) -> None:
-        """After a batch verify: row b keeps its accepted tree nodes kept[b] (indices in its
-        tree, root first)."""
-        for bc in batch:
-            bc.keep(kept)
-
     def verify_batch(self, tokens: mx.array, batch, lengths, positions: mx.array,
                      tree: mx.array, taps: Sequence[int] = (),
                      max_depth: Optional[int] = None) -> Tuple[mx.array, List[mx.array]]:
@@ -252,45 +294,10 @@ class Target:
             fwd.max_depth = max_depth
         return self._run(tokens, batch, fwd, taps)
 
-    @staticmethod
-    def cache_arrays(caches) -> list:
-        return [a for c in caches for a in c.arrays()]
-
     def lm_head(self, hidden: mx.array) -> mx.array:
         """Logits of hidden states [..., H] (any leading shape), computed as mlx-lm's own
         forward computes them: on [B, T, H] rows (`as_rows`)."""
         return as_rows(self.family.logits, hidden)
-
-    def _cache_of(self, caches, layer: int):
-        """Layer `layer`'s own cache in `caches` (one per layer that keeps one)."""
-        kept = [i for i, m in enumerate(self.mechanisms) if m.source is None]
-        return caches[kept.index(layer)]
-
-    def committed_kv(self, caches, layer: int, n: int, row: Optional[int] = None):
-        """The keys and values layer `layer` keeps for positions before `n`, in position
-        order ([1, kv heads, rows, D], as its attention reads them: roped, normed), and the
-        position of the first row (a window keeps only its last ones). Views of the cache's
-        buffer, no copy. row: the sequence's row where `caches` are a batch's."""
-        cache = self._cache_of(caches, layer)
-        if row is not None:
-            k, v = cache.row(row)
-            base = cache.bases[row]
-        else:
-            k, v, base = cache.keys, cache.values, getattr(cache, "base", 0)
-        return k[..., : n - base, :], v[..., : n - base, :], base
-
-    def batch_committed_kv(self, caches, layer: int, rows: Sequence[int]):
-        """`committed_kv` for several rows of a batch at once: keys and values
-        [len(rows), kv heads, slots, D] (views where `rows` are the whole batch in order)
-        and how many slots each row holds (its committed positions, first ones first)."""
-        cache = self._cache_of(caches, layer)
-        rows = list(rows)
-        k, v = cache.keys, cache.values
-        if rows != list(range(len(cache.lengths))):
-            idx = mx.array(rows, dtype=mx.int32)
-            k, v = k[idx], v[idx]
-        held = [cache.held[r] for r in rows]
-        return k[..., : max(held), :], v[..., : max(held), :], held
 
     def output_projection(self, hidden: mx.array) -> mx.array:
         """The output projection without the model's final soft-cap (what a block drafter
