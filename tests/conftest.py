@@ -1,5 +1,13 @@
+import os
 import sys
 from pathlib import Path
+
+# torch (the references' transformers models) takes one thread. With as many OpenMP threads as
+# cores, each spinning while it waits, a reference forward beside the other worker's MLX ran
+# 12x slower here (tests/test_block.py's DDTree families: 194 s with the other core busy, 17 s
+# with one thread). Set before anything imports torch, and inherited by every process a test
+# starts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
