@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from .errors import EagleError
 from .outputs import user_cache
 
-COSTS_VERSION = 4
+COSTS_VERSION = 5                     # 5: the head's drafting always priced
 VERIFY_POINTS = (1, 2, 4, 8, 16)      # chain nodes measured (interpolated between)
 MEASURE_PROMPT = 12                   # prompt tokens prefilled before measuring
 LONG_CONTEXT = 1024                   # ... before measuring again (the costs' growth)
@@ -253,8 +253,9 @@ class _Cycles:
 
     def drafting(self, verify: dict, labels=None):
         """What each head option's drafting adds (`labels`: those options; else the ones
-        whose verify alone leaves room to pay: of the chains, the shortest and the longest),
-        never less than its proposal timed alone; and the catching up's per position."""
+        whose verify alone leaves room to pay: of the chains, the shortest and the longest;
+        where none does, the shortest chain), never less than its proposal timed alone; and
+        the catching up's per position."""
         from .decoding.adaptive import PLAIN, Costs
 
         costs, options = Costs(verify), self.drafter.head_options
@@ -265,6 +266,10 @@ class _Cycles:
                        if costs.verify(o.nodes) < LINEAR * (o.depth + 1) * costs.verify(1)]
             chains = [o for o in can_pay if o.chain]
             measured = chains[:1] + [o for o in can_pay if not o.chain] + chains[1:][-1:]
+            if not measured:  # (none can: the shortest chain still, so that no head option
+                # is ever priced as drafting for free, nor its catching up, if a loaded
+                # machine's verify points corrected later make one look as if it could)
+                measured = sorted((o for o in options if o.chain), key=lambda o: o.depth)[:1]
         draft, alone, catch_up = {}, {}, 0.0
         for o in measured:  # (a cycle less the verify of as many nodes, which noise can
             runs = self.timed(o)  # make near zero: never less than the drafting alone)

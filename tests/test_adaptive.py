@@ -526,6 +526,39 @@ def test_draft_costs_are_never_below_the_heads_own_drafting(pair, tmp_path, monk
     assert 0.002 < costs.catch_up < 0.006, costs.catch_up
 
 
+def test_the_heads_drafting_is_priced_where_no_head_option_can_pay(pair, monkeypatch):
+    """A machine where a pass over n tokens costs n plain ones (every chain's cycle 50 ms a
+    node more): no head option can pay, and the shortest chain's drafting and the catching
+    up are measured all the same (the head here sleeps 10 ms a call and 3 ms a position it
+    reads), so that no head option is ever priced as drafting for free."""
+    import time
+
+    from eagle_mlx.costs import head_options, measure
+
+    target, head = pair
+    model, _ = eagle_mlx.load(str(target), eagle=str(head))
+    head_call, propose = type(model.head).__call__, AdaptiveDrafter.propose
+
+    def slow_head(self, features, tokens, *args, **kwargs):
+        time.sleep(0.01 + 0.003 * int(tokens.shape[-1]))
+        return head_call(self, features, tokens, *args, **kwargs)
+
+    def linear(self, state, *args):
+        if state.forced is not None and state.forced.kind == "lookup":
+            time.sleep(0.05 * state.forced.nodes)
+        return propose(self, state, *args)
+
+    monkeypatch.setattr(type(model.head), "__call__", slow_head)
+    monkeypatch.setattr(AdaptiveDrafter, "propose", linear)
+    monkeypatch.setattr("eagle_mlx.costs.long_context", lambda target, short=None: 0)
+    costs = measure(model, head_options(model))
+    one = dict(costs.verify_points)[1]
+    assert all(s >= 0.9 * n * one for n, s in costs.verify_points if n >= 4)  # (linear)
+    assert "head chain 1" in costs.draft_costs
+    for option in head_options(model):
+        assert costs.draft(option) >= 0.01 * option.depth, option
+    assert 0.002 < costs.catch_up < 0.006, costs.catch_up
+
 def test_costs_measured_on_a_loaded_machine_are_noticed_and_measured_again(pair, tmp_path,
                                                                            monkeypatch):
     """A costs cache whose passes all cost 10x what they do now (measured while the machine

@@ -14,7 +14,9 @@ def auto_report(model, tokenizer, encoded, args) -> dict:
     is plain decoding's (greedy)."""
     costs = model.costs()
     report = {"machine": machine(), "model": str(model.target.path), "eagle": model.head_path,
-              "max_tokens": args.max_tokens, "costs": costs.asdict(), "temps": {}}
+              "max_tokens": args.max_tokens, "costs": costs.asdict(), "temps": {},
+              "rechecked": []}
+    notes = [] if costs.recheck is None else costs.recheck.notes
     for temp in args.temps:
         rows = []
         for i, (src, ids) in enumerate(encoded):
@@ -25,6 +27,9 @@ def auto_report(model, tokenizer, encoded, args) -> dict:
                                              temp=temp, seed=args.seed + i,
                                              speculate=speculate)
             a, p = row["auto"], row["plain"]
+            for note in notes[len(report["rechecked"]):]:  # (the costs checked in decoding)
+                report["rechecked"].append({"prompt": i + 1, "temp": temp, "note": note})
+                print(f"[{src} {i + 1}/{len(encoded)} temp {temp}] {note}", file=sys.stderr)
             row["identical"] = a["tokens"] == p["tokens"] if temp == 0 else None
             rows.append(row)
             print(f"[{src} {i + 1}/{len(encoded)} temp {temp}] plain "
@@ -54,6 +59,10 @@ def auto_report(model, tokenizer, encoded, args) -> dict:
                   f"{s['tau']:.2f}, passes {passes}"
                   + ("" if temp else f", identical to plain: {s['identical']}"))
         report["temps"][str(temp)] = {"summary": summary, "prompts": rows}
+    if costs.recheck is not None and costs.recheck.done and not report["rechecked"]:
+        print("costs checked while decoding: as measured (passes over the costs: " + ", ".join(
+            f"{n} nodes {r:.2f}x" for n, r in sorted(costs.recheck.timed.items())) + ")"
+            if costs.recheck.timed else "costs checked while decoding: plain passes as measured")
     if args.batch_sizes:
         report["batch"] = auto_batch_report(model, tokenizer, encoded, args)
     return report
