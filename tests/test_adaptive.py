@@ -552,8 +552,8 @@ def test_the_heads_drafting_is_priced_where_no_head_option_can_pay(pair, monkeyp
     monkeypatch.setattr(AdaptiveDrafter, "propose", linear)
     monkeypatch.setattr("eagle_mlx.costs.long_context", lambda target, short=None: 0)
     costs = measure(model, head_options(model))
-    one = dict(costs.verify_points)[1]
-    assert all(s >= 0.9 * n * one for n, s in costs.verify_points if n >= 4)  # (linear)
+    # (linear: each chain's cycle holds its 50 ms a node, whatever a loaded machine adds)
+    assert all(s >= 0.045 * n for n, s in costs.verify_points if n >= 4)
     assert "head chain 1" in costs.draft_costs
     for option in head_options(model):
         assert costs.draft(option) >= 0.01 * option.depth, option
@@ -639,3 +639,32 @@ def test_plain_passes_decided_ahead_copy_no_cache(pair, monkeypatch):
     assert [t for r in rs for t in r.tokens] == plain
     assert rs[-1].passes == {"plain": 39}
     assert len(copies) <= model.target.num_layers, len(copies)  # (at most one pass's)
+
+
+def test_a_lookup_chain_costed_too_dear_is_tried_and_taken_up():
+    """Costs measured on a loaded machine put a pass over 2, 4, 8 tokens at 1.9, 3.6, 7.0
+    plain ones where it takes 1.4, 2.4, 4.4, on text that repeats (every copied token
+    accepted): as measured, no lookup chain is expected to beat plain decoding by MARGIN,
+    but one would with every token accepted, so lookup is tried from its exploration
+    budget, its cycles' own timings and acceptance correct the estimate, and lookup is the
+    choice from then on; the time spent is below plain decoding's for the same tokens."""
+    measured = {1: 1.0, 2: 1.9, 4: 3.6, 8: 7.0}
+    true = Costs({1: 1.0, 2: 1.4, 4: 2.4, 8: 4.4})
+    c = Controller(Costs(measured), [], lookup_p=LookupSettings().p)
+    copied = list(range(20))
+    first = c.choose(4, copied)
+    assert first.option == PLAIN and not first.probe  # (as measured, plain is the choice)
+    cands = c.candidates(4, len(copied))
+    assert cands[0].option == PLAIN and len(cands) > 1
+    assert all(ch.rate < MARGIN * cands[0].rate for ch in cands[1:])
+    c.update(first, [], true.cycle(PLAIN))
+    spent, tokens, kinds = true.cycle(PLAIN), 1, []
+    for _ in range(300):
+        choice = c.choose(4, copied)
+        drafted = choice.copied[: choice.option.depth]
+        seconds = true.cycle(choice.option)
+        c.update(choice, drafted, seconds)
+        spent, tokens = spent + seconds, tokens + len(drafted) + 1
+        kinds.append(choice.option.kind)
+    assert "lookup" in kinds[:100] and kinds[-100:].count("lookup") == 100
+    assert spent < 0.8 * tokens * true.cycle(PLAIN)

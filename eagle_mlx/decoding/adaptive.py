@@ -16,13 +16,15 @@ head's tree merged with the lookup branches. For each:
   (`eagle_mlx.costs`), scaled by the drift the cycles' own timings show (context growth,
   throttling, other processes).
 
-Exploration: a head option that does not pay is not drafted, so its estimate would never
+Exploration: an option that does not pay is not drafted, so its estimate would never
 change; it is tried again from an exploration budget that grows by EXPLORE of every cycle's
 time, each try spending what it is expected to cost beyond the best option (the time its
 expected tokens would take at the best option's rate). A sequence where nothing pays loses
 at most about EXPLORE of its time; a try that shows the head pays makes it the choice at
-once. Lookup needs no tries: whether the context's end occurred before is known for free
-every cycle.
+once. Lookup chains are tried so too where the context's end occurred before and plain
+decoding is the choice (half the budget is theirs then, half the head's): costs measured on
+a loaded machine can make a pass over a few tokens look dearer than it is, and only a
+lookup cycle's own timing (`Costs.per_node`) and acceptance correct that.
 
 The choice for a cycle depends only on what came before it, and every option's tree is
 deterministic, so the output is exactly the target's whatever is chosen (greedy: plain
@@ -360,7 +362,7 @@ class Choice:
     seconds: float
     match: int = 0               # the lookup match its lookup part copies after
     copied: List[int] = field(default_factory=list)  # the lookup tokens it may draft
-    probe: bool = False          # a try of a head option that did not pay
+    probe: bool = False          # a try of a head or lookup option that did not pay
     catch_up: float = 0.0        # of `seconds`, the head's catching up
     context: Optional[int] = None  # the positions before the cycle (None: not known)
 
@@ -389,7 +391,8 @@ class Controller:
         self.trees = {o: Survival([tree_prior] * o.depth) for o in self.head_options
                       if not o.chain}
         self.lookup_acc = LookupAcceptance(lookup_p or (lambda m: 0.0), keys=lookup_keys)
-        self.budget = 0.0  # seconds of exploration allowed now
+        self.budget = {"head": 0.0, "lookup": 0.0}  # seconds of exploration allowed now
+        self.lookup_open = False  # whether lookup could draft at the last choice
         self.packed = False  # whether `costs` are those of quantized caches
         self.counts: Dict[str, int] = {}  # cycles by option kind
 
@@ -446,25 +449,30 @@ class Controller:
         end and the tokens that followed it before, none: no match; pending: the positions
         the head has to catch up on; context: the positions the sequence holds, which the
         costs grow with): the highest expected tokens per second where it beats plain
-        decoding by MARGIN, or a try of the head's best option where the budget allows and
-        it could pay at all."""
+        decoding by MARGIN, or a try of the head's best option or, where plain decoding is
+        the choice, of lookup's, where its budget allows and it could pay at all."""
         cands = self.candidates(match, len(copied), pending, context)
         plain = cands[0]
         best = max(cands, key=lambda c: c.rate)
         if best.rate < MARGIN * plain.rate:
             best = plain
-        if best.option.kind in ("plain", "lookup") and self.head_options:
+        self.lookup_open = any(c.option.kind == "lookup" for c in cands)
+        kinds = (["head"] if self.head_options and best.option.kind in ("plain", "lookup")
+                 else []) + (["lookup"] if best.option.kind == "plain" and self.lookup_open
+                             else [])
+        for kind in kinds:
             # (an option that would not pay with every drafted token accepted, once caught
             # up, is not tried)
-            heads = [c for c in cands if c.option.kind == "head" and
-                     (c.option.depth + 1) / (c.seconds - c.catch_up) >= MARGIN * plain.rate]
-            trial = max(heads, key=lambda c: c.rate) if heads else None
+            fits = [c for c in cands if c.option.kind == kind and
+                    (c.option.depth + 1) / (c.seconds - c.catch_up) >= MARGIN * plain.rate]
+            trial = max(fits, key=lambda c: c.rate) if fits else None
             extra = 0.0 if trial is None else trial.seconds - trial.tokens / best.rate
-            self.budget = min(self.budget, 2 * max(extra, 0.0))  # (no bursts of tries)
-            if trial is not None and extra <= self.budget:
-                self.budget -= max(extra, 0.0)
+            self.budget[kind] = min(self.budget[kind], 2 * max(extra, 0.0))  # (no bursts)
+            if trial is not None and extra <= self.budget[kind]:
+                self.budget[kind] -= max(extra, 0.0)
                 best = trial
                 best.probe = True
+                break
         if best.option.kind in ("lookup", "merged"):
             best.copied = list(copied)
         return best
@@ -490,9 +498,15 @@ class Controller:
         if seconds is not None:
             self.costs.observe(o, seconds - choice.catch_up, choice.context)
         spent = choice.seconds if seconds is None else seconds
-        self.budget += EXPLORE * spent
+        # (where lookup could draft, its tries and the head's share the exploration)
+        share = 0.5 if self.lookup_open and self.head_options else 1.0
+        if self.head_options:
+            self.budget["head"] += share * EXPLORE * spent
+        if self.lookup_open:
+            self.budget["lookup"] += share * EXPLORE * spent
         if choice.probe and seconds is not None:  # a try that cost more than expected (a
-            self.budget -= max(seconds - choice.seconds, 0.0)  # long catch-up) pays it too
+            pot = "lookup" if o.kind == "lookup" else "head"  # long catch-up) pays it too
+            self.budget[pot] -= max(seconds - choice.seconds, 0.0)
         copied = choice.copied[: o.depth]
         from_lookup = 0  # the accepted tokens the lookup draft holds too
         while from_lookup < min(n, len(copied)) and copied[from_lookup] == accepted[from_lookup]:
