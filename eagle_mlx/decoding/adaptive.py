@@ -303,6 +303,16 @@ class Costs:
     def copy(self) -> "Costs":
         return Costs.fromdict(self.asdict())
 
+    def learned(self) -> dict:
+        """What the cycles' timings taught (`scale`, `per_node`, the head options' residuals),
+        which `learn` hands to the next generation's costs."""
+        return {"scale": self.scale, "per_node": self.per_node, "residual": dict(self.residual)}
+
+    def learn(self, learned: dict) -> "Costs":
+        self.scale, self.per_node = learned["scale"], learned["per_node"]
+        self.residual = dict(learned["residual"])
+        return self
+
     def asdict(self) -> dict:
         out = {"verify": {str(n): s for n, s in self.verify_points},
                "draft": dict(self.draft_costs), "catch_up": self.catch_up, "at": self.at,
@@ -540,6 +550,11 @@ class Recheck:
         self.timed: Dict[int, float] = {}  # node count -> seconds over what the costs say
         self.done = False
         self.notes: List[str] = []
+        # what the latest greedy generation's cycles taught its costs (`Costs.learned`),
+        # where the next starts from: a drift that only some options show (a plain pass
+        # slowed more than a pass over many tokens on a loaded machine) is carried over to
+        # generations that draft throughout and never time a plain pass themselves
+        self.learned: Optional[dict] = None
 
     def due(self, cycles: int) -> Optional[int]:
         """The node count to time now, `cycles` cycles into a generation (None: none)."""
@@ -662,8 +677,12 @@ class AdaptiveDrafter(Drafter):
         prior = {} if self.head_prior is None else {"head_prior": self.head_prior,
                                                     "tree_prior": min(0.95,
                                                                       self.head_prior + 0.15)}
-        # (each generation follows the drift it sees itself, from the measured costs)
-        return Controller(self.costs.copy(), self.head_options, self.lookup is not None,
+        # (each generation follows the drift it sees itself, from the measured costs and what
+        # the cycles of this process's greedy generations before it taught them)
+        costs = self.costs.copy()
+        if self.recheck is not None and self.recheck.learned is not None:
+            costs.learn(self.recheck.learned)
+        return Controller(costs, self.head_options, self.lookup is not None,
                           None if self.lookup is None else self.lookup.settings.p,
                           max_lookup=self.max_lookup, lookup_keys=() if self.lookup is None
                           else tuple(self.lookup.settings.accept), **prior)
@@ -783,10 +802,14 @@ class AdaptiveDrafter(Drafter):
 
     def _packed(self, state, context: int) -> None:
         """From the position where the caches are quantized on, the costs measured so (the
-        drift followed so far starts over with them)."""
+        drift followed so far starts over with them, from what earlier greedy generations'
+        quantized cycles taught them)."""
         c = state.controller
         if self.kv_costs is not None and context >= self.kv_costs[1] and not c.packed:
             c.costs, c.packed = self.kv_costs[0].copy(), True
+            held = self.kv_costs[0].recheck
+            if held is not None and held.learned is not None:
+                c.costs.learn(held.learned)
 
     def _context(self, state, ahead: int = 0) -> int:
         """The positions the target's caches hold at the next verify pass (`ahead`: the
@@ -821,6 +844,11 @@ class AdaptiveDrafter(Drafter):
         if seconds is not None and state.choice.option == PLAIN and self.recheck is not None:
             self.recheck.plain_pass(seconds, context)
         state.controller.update(state.choice, accepted, seconds)
+        c = state.controller
+        if seconds is not None:  # (greedy: kept for the next generation with these costs)
+            holder = self.recheck if not c.packed else self.kv_costs[0].recheck
+            if holder is not None:
+                holder.learned = c.costs.learned()
 
     def chosen(self, state) -> Optional[str]:
         return None if state.choice is None else state.choice.option.label()
