@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from .bench.auto import auto_report
+from .bench.auto import auto_report, costs_measured_under_load
 from .bench.lookup import lookup_report, save_lookup_tuning
 from .bench.plots import plot
 from .bench.prompts import load_prompts
@@ -92,6 +92,11 @@ def build_parser():
                         "interleaved on every prompt: tokens/s, tau, what it chose and whether "
                         "the text is plain decoding's, per dataset (default datasets: mt-bench "
                         "humaneval edit); no tree is tuned")
+    p.add_argument("--measure-under-load", action="store_true",
+                   help="with --auto: first measure the costs afresh while a second process "
+                        "multiplies matrices on one core, and keep them in the cache as a run on "
+                        "a loaded machine would; the report then shows whether decoding notices "
+                        "and measures them again")
     p.add_argument("--context", nargs="+", default=None, metavar="LENGTH",
                    help="measure at these context lengths (1k 4k 16k, or positions): prompts "
                         "made that long with real text (ShareGPT history before MT-bench "
@@ -147,6 +152,11 @@ def check_args(args):
             if getattr(args, flag, None):
                 raise UsageError(f"--context measures on its own; {flag_name(flag)} does not "
                                  "apply with it.")
+    if args.measure_under_load and not args.auto:
+        raise UsageError("--measure-under-load applies with --auto.")
+    if args.measure_under_load and args.save_tuning:
+        raise UsageError("--measure-under-load keeps costs measured on a loaded machine; "
+                         "--save-tuning measures them again, so give one of the two.")
     kv = {k: getattr(args, k) for k in ("kv_bits", "kv_group_size", "quantized_kv_start")}
     if args.context is None and any(v is not None for v in kv.values()):
         raise UsageError("--kv-bits, --kv-group-size and --quantized-kv-start apply with "
@@ -262,6 +272,8 @@ def _main(argv):
 
         model.measured = model_costs(model, refresh=True)  # the costs, measured again
     if args.auto:
+        if args.measure_under_load:
+            costs_measured_under_load(model)
         report = auto_report(model, tokenizer, encoded, args)
         if writes:
             _write_json(report, output)

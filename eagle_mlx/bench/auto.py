@@ -1,11 +1,48 @@
 """Adaptive speculation (the tools' default) against plain decoding, interleaved on every
 prompt, one sequence at a time and in batches."""
 
+import os
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 from ..tuning import machine
 from .timing import timed_generation
+
+BUSY_LOOP = ("import numpy as np\n"
+             "a = np.random.default_rng(0).standard_normal((384, 384), dtype=np.float32)\n"
+             "while True:\n"
+             "    a = np.tanh(a @ a)\n")
+
+
+@contextmanager
+def busy_core():
+    """A second process multiplying matrices on one thread while the block runs (the other
+    core of a 2-core machine busy), stopped and reaped when it ends, whatever happened."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)  # (the loop started before anything is timed)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def costs_measured_under_load(model):
+    """`benchmark --auto --measure-under-load`: the model's costs measured afresh while
+    another process loads the machine (`busy_core`) and written to the cache; the model then
+    reads them from the cache as the next run would, with the checks decoding makes of them."""
+    from ..costs import model_costs
+
+    print("measuring the costs while another process multiplies matrices ...", file=sys.stderr)
+    with busy_core():
+        model_costs(model, refresh=True)
+    model.measured = None
+    return model.costs()
+
 
 def auto_report(model, tokenizer, encoded, args) -> dict:
     """Plain decoding and adaptive speculation, interleaved on every prompt at every
@@ -15,7 +52,8 @@ def auto_report(model, tokenizer, encoded, args) -> dict:
     costs = model.costs()
     report = {"machine": machine(), "model": str(model.target.path), "eagle": model.head_path,
               "max_tokens": args.max_tokens, "costs": costs.asdict(), "temps": {},
-              "rechecked": []}
+              "rechecked": [],
+              "measured_under_load": bool(getattr(args, "measure_under_load", False))}
     notes = [] if costs.recheck is None else costs.recheck.notes
     for temp in args.temps:
         rows = []
