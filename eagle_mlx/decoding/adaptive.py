@@ -53,6 +53,7 @@ SPREAD_BOUND = 0.3     # a verify point whose runs spread more (relative) is tim
 DISAGREE = 1.25        # ... as are all where plain passes run this much off what costs say
 PLAIN_SAMPLES = 6      # plain passes compared with the costs (their median)
 RECHECK_EVERY = 2      # cycles from one point timed again to the next (decoding goes on)
+RECHECK_SHARE = 0.04   # the share of decoding's time that timing points again may spend
 
 
 @dataclass(frozen=True)
@@ -529,16 +530,23 @@ class Controller:
 
 
 class Recheck:
-    """The measured costs checked while decoding, once in a process: a verify point whose
-    runs spread beyond SPREAD_BOUND when it was measured, or every point where the first
-    PLAIN_SAMPLES plain passes run DISAGREE times off what the costs say (a measurement
-    taken while the machine was loaded, or before it was), is timed again as a cycle of
-    decoding every RECHECK_EVERY cycles (a chain of that many nodes; the tokens are what
-    they would be), never blocking. Where a point then disagrees beyond DISAGREE, the
-    points are corrected (`Costs.rescaled`) for the greedy generations of this process,
-    and `notes` says so. The costs as read (`as_read`) stay what sampling generations choose
-    by, here and in every process, so a seed draws the same tokens wherever it runs; the
-    cache is rewritten only by a measurement (`benchmark --save-tuning`)."""
+    """The measured costs checked while decoding, once in a process. The first PLAIN_SAMPLES
+    plain passes are timed against the costs' plain pass: where their median runs DISAGREE
+    times off (a measurement taken while the machine was loaded, or before it was), the plain
+    pass's cost is corrected at once — alone where it ran cheaper (a loaded machine slows a
+    plain pass more than a pass over many tokens, so the others stay as measured, the
+    cautious reading, until timed themselves), all points with it where it ran dearer — and
+    every other point is queued to be timed again; so is a point whose runs spread beyond
+    SPREAD_BOUND when it was measured. A queued point is timed as a cycle of decoding (a
+    chain of that many nodes; the tokens are what they would be), never blocking, smallest
+    first, at most every RECHECK_EVERY cycles, and only where what it is expected to cost
+    beyond a plain pass fits a budget of RECHECK_SHARE of the time decoding spent (on a CPU
+    a pass over 16 tokens costs many plain ones: such points are timed as the process goes
+    on, not in its first generation's first tokens). A point off by more than DISAGREE is
+    corrected (`Costs.rescaled`) for the greedy generations of this process, and `notes`
+    says so. The costs as read (`as_read`) stay what sampling generations choose by, here
+    and in every process, so a seed draws the same tokens wherever it runs; the cache is
+    rewritten only by a measurement (`benchmark --save-tuning`)."""
 
     def __init__(self, costs: Costs):
         self.costs = costs
@@ -547,7 +555,9 @@ class Recheck:
         self.why = {n: f"its runs spread {costs.spread[n]:.0%} when measured"
                     for n in self.queue}
         self.plain: List[float] = []   # plain passes' seconds over what the costs say
-        self.timed: Dict[int, float] = {}  # node count -> seconds over what the costs say
+        self.ratio = 1.0               # ... their median, where it disagreed (else 1)
+        self.timed: Dict[int, float] = {}  # node count -> seconds over what the costs said
+        self.budget = 0.0              # seconds the points' timing may still spend
         self.done = False
         self.notes: List[str] = []
         # what the latest greedy generation's cycles taught its costs (`Costs.learned`),
@@ -556,48 +566,65 @@ class Recheck:
         # generations that draft throughout and never time a plain pass themselves
         self.learned: Optional[dict] = None
 
+    def spend(self, seconds: float) -> None:
+        """A timed cycle took `seconds`: the points' timing may spend its share."""
+        if not self.done:
+            self.budget += RECHECK_SHARE * seconds
+
+    def extra(self, nodes: int) -> float:
+        """What timing a point is expected to cost beyond a plain pass: the point as the
+        plain passes ran (where they ran cheaper) or at its fastest run (a spread one)."""
+        expected = self.costs.verify(nodes) * min(self.ratio, 1.0) / \
+            (1.0 + self.costs.spread.get(nodes, 0.0))
+        return max(expected - self.costs.verify(1), 0.0)
+
     def due(self, cycles: int) -> Optional[int]:
         """The node count to time now, `cycles` cycles into a generation (None: none)."""
-        if self.done or not self.queue or cycles % RECHECK_EVERY:
+        if self.done or not self.queue or cycles % RECHECK_EVERY or \
+                self.extra(self.queue[0]) > self.budget:
             return None
         return self.queue[0]
 
-    def plain_pass(self, seconds: float, context: int) -> None:
-        """A plain pass took `seconds` at `context` positions."""
+    def plain_pass(self, seconds: float, context: int) -> bool:
+        """A plain pass took `seconds` at `context` positions: whether the costs changed."""
         if self.done or len(self.plain) >= PLAIN_SAMPLES:
-            return
+            return False
         self.plain.append(seconds / self.costs.verify(1, context))
         if len(self.plain) < PLAIN_SAMPLES:
-            return
+            return False
         ratio = sorted(self.plain)[PLAIN_SAMPLES // 2]
-        if not 1 / DISAGREE <= ratio <= DISAGREE:
-            self.timed.setdefault(1, ratio)
-            for n, _ in self.costs.verify_points:
+        changed = not 1 / DISAGREE <= ratio <= DISAGREE
+        if changed:
+            self.ratio = self.timed[1] = ratio
+            points = [n for n, _ in self.costs.verify_points]
+            self.costs.rescaled({n: ratio for n in points if n == 1 or ratio > 1})
+            for n in points:
                 self.why.setdefault(n, f"plain passes ran {ratio:.2f}x the costs")
-            self.queue = sorted({n for n, _ in self.costs.verify_points} | set(self.queue)
-                                - set(self.timed))
+            self.queue = sorted((set(points) | set(self.queue)) - set(self.timed))
+            self.notes.append(f"costs measured again while decoding (plain passes ran "
+                              f"{ratio:.2f}x the cached cost: corrected"
+                              + (", every point with it" if ratio > 1 else
+                                 "; the passes over more tokens timed again as decoding goes")
+                              + ")")
         self._settle()
+        return changed
 
     def point(self, nodes: int, seconds: float, context: int) -> bool:
         """A cycle of `nodes` nodes timed again took `seconds`: whether the costs changed."""
         self.queue = [n for n in self.queue if n != nodes]
-        self.timed[nodes] = seconds / self.costs.verify(nodes, context)
-        return self._settle()
-
-    def _settle(self) -> bool:
-        """Once every point queued is timed and the plain passes are in: the costs
-        corrected where a point disagrees (whether they were)."""
-        if self.done or self.queue or len(self.plain) < PLAIN_SAMPLES:
+        self.budget -= max(seconds - self.costs.verify(1, context), 0.0)
+        ratio = self.timed[nodes] = seconds / self.costs.verify(nodes, context)
+        self._settle()
+        if 1 / DISAGREE <= ratio <= DISAGREE:
             return False
-        self.done = True
-        off = {n: r for n, r in self.timed.items() if not 1 / DISAGREE <= r <= DISAGREE}
-        if not off:
-            return False
-        self.costs.rescaled(self.timed)
-        self.notes.append("costs measured again while decoding (" + "; ".join(
-            f"a pass of {n} took {r:.2f}x the cached cost, {self.why.get(n, 'timed again')}"
-            for n, r in sorted(off.items())) + ")")
+        self.costs.rescaled({nodes: ratio})
+        self.notes.append(f"costs measured again while decoding (a pass of {nodes} took "
+                          f"{ratio:.2f}x the cached cost, {self.why.get(nodes, 'timed again')})")
         return True
+
+    def _settle(self) -> None:
+        """Done once the plain passes are in and every point queued is timed."""
+        self.done = not self.queue and len(self.plain) >= PLAIN_SAMPLES
 
 
 # ---------------------------------------------------------------------------- the drafter
@@ -821,7 +848,7 @@ class AdaptiveDrafter(Drafter):
         """The verify point to time again `ahead` cycles after the next (None: none; only
         where the chain fits what lookup may draft)."""
         if state.forced is not None or self.recheck is None or self.recheck.done or \
-                not state.timed:
+                not state.timed or state.controller.packed:
             return None  # (sampling: choices follow only what repeats with a seed)
         n = self.recheck.due(state.cycles + ahead)
         return n if n is not None and n - 1 <= self.max_lookup else None
@@ -837,18 +864,31 @@ class AdaptiveDrafter(Drafter):
             return
         context = state.choice.context if state.choice.context is not None else \
             self._context(state)
+        # (the measured costs are checked against cycles with the caches they were measured
+        # with: not those quantized, which have costs of their own)
+        recheck = None if state.controller.packed else self.recheck
+        if seconds is not None and recheck is not None:
+            recheck.spend(seconds)
         if state.rechecking is not None:  # (greedy: timed; sampling: never chosen by time)
             if seconds is not None and self.recheck.point(state.rechecking, seconds, context):
-                state.controller.costs = self.costs.copy()  # (the corrected points)
+                self._corrected(state)
             return
-        if seconds is not None and state.choice.option == PLAIN and self.recheck is not None:
-            self.recheck.plain_pass(seconds, context)
+        if seconds is not None and state.choice.option == PLAIN and recheck is not None \
+                and recheck.plain_pass(seconds, context):
+            self._corrected(state)
         state.controller.update(state.choice, accepted, seconds)
         c = state.controller
         if seconds is not None:  # (greedy: kept for the next generation with these costs)
             holder = self.recheck if not c.packed else self.kv_costs[0].recheck
             if holder is not None:
                 holder.learned = c.costs.learned()
+
+    def _corrected(self, state) -> None:
+        """The measured costs were corrected: the generation goes on with them, what the
+        cycles taught the costs before (relative to the points as they were) forgotten."""
+        self.recheck.learned = None
+        if not state.controller.packed:
+            state.controller.costs = self.costs.copy()
 
     def chosen(self, state) -> Optional[str]:
         return None if state.choice is None else state.choice.option.label()
