@@ -57,8 +57,8 @@ def test_generate_streams_what_the_api_generates(pair):
     for line in ("Prompt: ", "Generation: ", "Speculation: auto, ", "passes speculated",
                  "plain passes here", "Peak memory: "):
         assert line in stats
-    proc = cli("generate", "--model", target, "--eagle", head, "--prompt", "t5 t9 t11",
-               "--max-tokens", 24, "--speculate", "always")
+    proc = tool("generate", "--model", target, "--eagle", head, "--prompt", "t5 t9 t11",
+                "--max-tokens", 24, "--speculate", "always")
     _, text_always, stats = proc.stdout.split("==========\n")
     assert text_always == text
     for line in ("Acceptance: tau ", "target forwards"):
@@ -109,7 +109,8 @@ def test_chat_trims_old_turns_to_fit_the_context(pair):
 ])
 def test_bad_flag_values_are_usage_errors(pair, flags, fragment):
     target, head = pair
-    one_sentence(cli("generate", "--model", target, "--eagle", head, "--prompt", "t5", *flags), 2, fragment)
+    one_sentence(tool("generate", "--model", target, "--eagle", head, "--prompt", "t5", *flags), 2,
+                 fragment)
 
 
 def test_empty_and_too_long_prompts(pair):
@@ -146,10 +147,9 @@ def test_benchmark_writes_json_png_and_tuning(pair, tmp_path, monkeypatch):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "t5 t9 t11"}\n{"turns": ["t20 t21", "t22"]}\n')
     out = tmp_path / "bench.json"
-    proc = cli("benchmark", "--model", target, "--eagle", head_copy, "--prompts", prompts,
-               "--max-tokens", 12, "--trees", "4/2/2,8/3/2", "--temps", 0, 1,
-               "--batch-sizes", 1, 3,
-               "--output", out, "--save-tuning", env={"EAGLE_MLX_CACHE": str(cache)})
+    proc = tool("benchmark", "--model", target, "--eagle", head_copy, "--prompts", prompts,
+                "--max-tokens", 12, "--trees", "4/2/2,8/3/2", "--temps", 0, 1,
+                "--batch-sizes", 1, 3, "--output", out, "--save-tuning")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -223,13 +223,13 @@ def test_benchmark_reads_the_real_prompt_packages():
 
 def test_benchmark_bad_inputs(pair, tmp_path):
     target, head = pair
-    one_sentence(cli("benchmark", "--model", target, "--eagle", head, "--trees", "3/x/2"), 2, "--trees")
-    one_sentence(cli("benchmark", "--model", target, "--eagle", head, "--prompts", tmp_path / "none.jsonl"),
+    one_sentence(tool("benchmark", "--model", target, "--eagle", head, "--trees", "3/x/2"), 2, "--trees")
+    one_sentence(tool("benchmark", "--model", target, "--eagle", head, "--prompts", tmp_path / "none.jsonl"),
                  1, "--prompts file")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": 1}\n')
-    one_sentence(cli("benchmark", "--model", target, "--eagle", head, "--prompts", bad), 1, "line 1")
-    one_sentence(cli("benchmark", "--model", target, "--prompts", bad), 2, "--eagle")
+    one_sentence(tool("benchmark", "--model", target, "--eagle", head, "--prompts", bad), 1, "line 1")
+    one_sentence(tool("benchmark", "--model", target, "--prompts", bad), 2, "--eagle")
 
 
 class StubbedMeasurements:
