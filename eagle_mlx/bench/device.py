@@ -32,7 +32,7 @@ near-tied logits, so every mode's tokens are plain decoding's in float16, bfloat
 
 Every figure goes to the JSON as soon as it exists; a shape that fails is reported (the
 error in its entry) and the run goes on; --budget ends the run in time (what is left is
-marked skipped). `--tiny` shrinks every shape to a few layers of small width: what the test
+marked skipped). `--tiny` shrinks every shape to two layers (one of each kind) of small width: what the test
 suite runs on the CPU.
 """
 
@@ -83,11 +83,11 @@ SHAPES = {
                         rms_norm_eps=1e-5, max_position_embeddings=131072,
                         layer_types=["sliding_attention", "full_attention"] * 12),
 }
-TINY = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512, num_local_experts=4,
             num_experts_per_tok=2, linear_num_value_heads=4, linear_num_key_heads=2,
             linear_key_head_dim=16, linear_value_head_dim=16, full_attention_interval=2,
-            sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2)
+            sliding_window=16, layer_types=["sliding_attention", "full_attention"])
 
 
 def config_of(name: str, tiny: bool) -> dict:
