@@ -32,8 +32,8 @@ near-tied logits, so every mode's tokens are plain decoding's in float16, bfloat
 
 Every figure goes to the JSON as soon as it exists; a shape that fails is reported (the
 error in its entry) and the run goes on; --budget ends the run in time (what is left is
-marked skipped). `--tiny` shrinks every shape to two layers (one of each kind) of small width: what the test
-suite runs on the CPU.
+marked skipped). `--tiny` shrinks every shape to two layers (one of each kind) of small
+width: what the test suite runs on the CPU.
 """
 
 import argparse
