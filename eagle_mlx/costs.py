@@ -22,6 +22,7 @@ window).
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -352,6 +353,48 @@ def measure_batch(model, batch: int, points=VERIFY_POINTS, prompt_len: int = MEA
     return curve
 
 
+@contextmanager
+def one_measurement_at_a_time(say: Callable[[str], None], group=None):
+    """Held while costs are read and, where absent, measured: an exclusive lock on the
+    cache folder (`.measuring`), so that two processes of this machine never measure at
+    once — each would time the other's load — and the second reads what the first
+    measured. Under mx.distributed rank 0 alone holds it (the ranks measure together).
+    Where the folder cannot be written or locks are not had, nothing is held."""
+    try:
+        import fcntl
+    except ImportError:  # (no POSIX locks)
+        yield
+        return
+    if group is not None and group.rank() != 0:
+        yield
+        return
+    folder = user_cache("costs")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        f = open(folder / ".measuring", "a")
+    except OSError:  # (an unwritable cache: said where the costs are written)
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            say("eagle_mlx: another process is measuring this machine's costs; waiting for "
+                "it (two measurements at once would each time the other's load) ...")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read_batch_curve(f: Path) -> Optional[Dict[int, float]]:
+    try:
+        return {int(n): float(v) for n, v in json.loads(f.read_text())["batch"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # absent or damaged: measured again
+
+
 def batch_costs(model, batch: int,
                 say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)):
     """The costs a row of a batch of `batch` sequences chooses with (`Costs.in_batch`): the
@@ -359,20 +402,20 @@ def batch_costs(model, batch: int,
     cached)."""
     single = model.costs()
     f = costs_path(model, batch=batch)
-    try:
-        curve = {int(n): float(v) for n, v in json.loads(f.read_text())["batch"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        curve = None  # absent or damaged: measured again
+    curve = _read_batch_curve(f)
     if not curve:
-        say(f"eagle_mlx: measuring this machine's verify costs for batches of {batch} "
-            f"(once; kept in {user_cache('costs')}) ...")
-        start = time.perf_counter()
-        curve = measure_batch(model, batch)
-        from .tuning import write_entry
+        with one_measurement_at_a_time(say):
+            curve = _read_batch_curve(f)  # (measured meanwhile by another process)
+            if not curve:
+                say(f"eagle_mlx: measuring this machine's verify costs for batches of {batch} "
+                    f"(once; kept in {user_cache('costs')}) ...")
+                start = time.perf_counter()
+                curve = measure_batch(model, batch)
+                from .tuning import write_entry
 
-        write_entry(f, {"batch": {str(n): v for n, v in curve.items()},
-                        "measured": time.strftime("%Y-%m-%d %H:%M")})
-        say(f"eagle_mlx: measured in {time.perf_counter() - start:.1f} s.")
+                write_entry(f, {"batch": {str(n): v for n, v in curve.items()},
+                                "measured": time.strftime("%Y-%m-%d %H:%M")})
+                say(f"eagle_mlx: measured in {time.perf_counter() - start:.1f} s.")
     return single.in_batch(curve, batch)
 
 
@@ -382,11 +425,25 @@ def model_costs(model, refresh: bool = False,
     """The model's costs on this machine: from the cache, else measured now (a few seconds,
     announced in one line) and cached. refresh: measure again; kv: with the caches quantized
     so (a KVQuantization). Under mx.distributed every rank takes rank 0's: read from its
-    cache, or measured by all ranks together (each cycle timed by rank 0)."""
-    from .decoding.adaptive import Costs, Recheck
-    from .distributed import share_text
+    cache, or measured by all ranks together (each cycle timed by rank 0). One process of
+    the machine measures at a time (`one_measurement_at_a_time`)."""
+    from .decoding.adaptive import Recheck
 
     g = getattr(model, "group", None)
+    costs = None if refresh or g is not None else read_costs(model, kv)
+    if costs is None:
+        with one_measurement_at_a_time(say, g):
+            costs = _measured(model, refresh, say, kv, g)
+    costs.recheck = Recheck(costs)
+    return costs
+
+
+def _measured(model, refresh: bool, say: Callable[[str], None], kv, g):
+    """`model_costs`' read (again, under the lock: another process may have measured
+    meanwhile) and, where there is nothing to read, its measurement."""
+    from .decoding.adaptive import Costs
+    from .distributed import share_text
+
     costs = None if refresh else read_costs(model, kv)
     if g is not None:
         shared = share_text(g, "" if costs is None else json.dumps(costs.asdict()))
@@ -402,5 +459,4 @@ def model_costs(model, refresh: bool = False,
         if g is None or g.rank() == 0:
             write_costs(model, costs, kv)
         say(f"eagle_mlx: measured in {time.perf_counter() - start:.1f} s.")
-    costs.recheck = Recheck(costs)
     return costs

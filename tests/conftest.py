@@ -78,11 +78,17 @@ def make_hybrids(root: Path, seed: int) -> dict:
 @pytest.fixture(autouse=True, scope="session")
 def private_tuning_cache(tmp_path_factory):
     """Benchmark choices go to a cache of the test session's own, so a developer's saved
-    tunings never change what the tests run (and the tests never touch them)."""
+    tunings never change what the tests run (and the tests never touch them). The session's
+    workers share it, as two processes of a user's machine share theirs: a model both use
+    (the demo pair) has its costs measured once, by whichever asks first, the other waiting
+    for it (`costs.one_measurement_at_a_time`)."""
     import os
 
     saved = os.environ.get("EAGLE_MLX_CACHE")
-    os.environ["EAGLE_MLX_CACHE"] = str(tmp_path_factory.mktemp("eagle_mlx_cache"))
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "eagle_mlx_cache"
+    shared.mkdir(exist_ok=True)
+    os.environ["EAGLE_MLX_CACHE"] = str(shared)
     yield
     if saved is None:
         os.environ.pop("EAGLE_MLX_CACHE", None)

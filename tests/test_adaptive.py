@@ -345,6 +345,36 @@ def test_costs_are_measured_once_and_kept(pair, tmp_path, monkeypatch):
     assert len(said) == 4
 
 
+
+def test_a_process_waits_for_another_measuring_and_reads_its_costs(pair, tmp_path,
+                                                                  monkeypatch):
+    """While another holder has the cache's measuring lock, asking for the costs waits (and
+    says so) instead of measuring beside it; the costs it then reads are what the holder
+    wrote (here costs made up, no measurement's), and it measures nothing itself."""
+    import json
+    import threading
+
+    from eagle_mlx.costs import costs_path, model_costs, one_measurement_at_a_time
+
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path))
+    target, head = pair
+    model, _ = eagle_mlx.load(str(target), eagle=str(head))
+    made_up = Costs({1: 0.125, 2: 0.25, 4: 0.5, 8: 1.0, 16: 2.0})
+    said, got = [], []
+    with one_measurement_at_a_time(said.append):
+        waiter = threading.Thread(target=lambda: got.append(
+            model_costs(model, say=said.append)), daemon=True)
+        waiter.start()
+        for _ in range(500):  # (until it says it waits: at most 5 s)
+            if said:
+                break
+            threading.Event().wait(0.01)
+        assert said and "waiting" in said[0] and not got, said
+        costs_path(model).parent.mkdir(parents=True, exist_ok=True)
+        costs_path(model).write_text(json.dumps({"costs": made_up.asdict()}))
+    waiter.join(60)
+    assert len(said) == 1 and got and got[0].verify_points == made_up.verify_points
+
 def test_costs_grow_with_the_context_on_the_measured_line():
     """Costs measured after 12 positions and after 1012 that follow an exact line in the
     context (a verify pass of n nodes: 2e-3 + 1e-3 n seconds more per position; a drafted

@@ -106,14 +106,21 @@ def test_real_pair_eagle_greedy_equals_plain_greedy(mt_bench_greedy, demo_model)
 
 @pytest.mark.long
 @requires_smollm2
-def test_the_readme_main_job_runs_offline(tmp_path):
+def test_the_readme_main_job_runs_offline(tmp_path, demo_model):
+    from eagle_mlx.costs import costs_path
+
+    cached = costs_path(demo_model[0]).is_file()  # (the session's other tests' measurement)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "eagle_mlx.generate", "--prompt",
                            "Give me three tips for writing a good email.", "--max-tokens", "6"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout.split("==========\n")[1]
-    # adaptive speculation measured this machine's costs once, said so, and says what it chose
-    assert "measuring this machine's speculation costs" in proc.stderr
+    # adaptive speculation's costs: measured where none were kept (said so, once), or
+    # read silently where they were (or measured meanwhile by the session's other worker,
+    # perhaps waited for), and kept; and it says what it chose
+    measured = proc.stderr.count("measuring this machine's speculation costs")
+    assert measured <= 1 and not (cached and measured), (cached, proc.stderr)
+    assert costs_path(demo_model[0]).is_file()
     assert "Speculation: auto, " in proc.stdout and "tokens-per-sec" in proc.stdout
     assert sum(any(c.isalpha() for c in w) for w in text.split()) >= 3  # words, not noise
