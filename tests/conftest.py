@@ -116,15 +116,15 @@ def tiny_dir(tmp_path_factory):
 # them by test count and leave a long file to the end, alone on one worker), and within a
 # file the tests marked `long` go first (a file's long tests left at its end would hold up
 # the next file, already handed to the same worker).
-LONGEST_FIRST = ["test_engine.py", "test_demo.py", "test_lookup.py", "test_cli.py",
-                 "test_distributed.py", "test_block.py", "test_mtp.py", "test_windows.py",
-                 "test_hybrid.py", "test_batch.py", "test_adaptive.py", "test_kv.py",
-                 "test_prompt_files.py", "test_train.py", "test_server.py",
-                 "test_bad_inputs.py", "test_gemma4_assistant.py",
-                 "test_train_eagle3.py", "test_layouts.py", "test_bench_device.py",
-                 "test_backend_inputs.py",
-                 "test_server_batch.py", "test_server_load.py", "test_heads.py",
-                 "test_target.py", "test_gguf.py"]
+LONGEST_FIRST = ["test_engine.py", "test_distributed.py", "test_demo.py", "test_block.py",
+                 "test_gemma4_assistant.py", "test_kv.py", "test_train.py", "test_server.py",
+                 "test_cli.py", "test_lookup.py", "test_windows.py", "test_batch.py",
+                 "test_bad_inputs.py", "test_adaptive.py", "test_bench_device.py",
+                 "test_hybrid.py", "test_train_eagle3.py", "test_mtp.py",
+                 "test_prompt_files.py", "test_server_batch.py", "test_backend_inputs.py",
+                 "test_layouts.py", "test_target.py", "test_server_load.py",
+                 "test_context_bench.py", "test_logprobs.py", "test_boundary.py",
+                 "test_gguf.py", "test_heads.py"]
 
 
 def pytest_configure(config):
