@@ -48,15 +48,22 @@ def test_plain_eagle_and_lookup_equal_mlx_lm_with_a_quantized_cache(pairs, name)
     """Plain decoding with kv_bits 8, 4 and 3 (the switch before the prompt's end, and in the
     middle of the generation: switched a position early or late, the 3-bit run's tokens
     differ) gives mlx-lm's generate_step's tokens with the same settings; greedy EAGLE trees
-    and chains merged with lookup, auto, and lookup alone give the same; the caches
-    end quantized."""
+    and chains merged with lookup, auto (under costs that make speculation pay, with float
+    and quantized caches alike: its head and lookup cycles run on both), and lookup alone
+    give the same; the caches end quantized."""
     from mlx_lm.models.cache import QuantizedKVCache
+
+    from eagle_mlx.decoding.adaptive import Costs
 
     target, head = pairs[name]
     model, tok = eagle_mlx.load(str(target), eagle=str(head), lookup=True)
     alone, _ = eagle_mlx.load(str(target), lookup=True)
     tok.eos_token_ids = set()
+    cheap = Costs({1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04, 16: 1.08},
+                  {"head chain 1": 0.01, "head chain 6": 0.06})
+    model.measured = cheap
     for kv in SETTINGS:
+        model.measured_kv[(kv["kv_bits"], kv["kv_group_size"])] = cheap
         expected = mlx_lm_greedy(target, PROMPT, 32, **kv)
         cache = PromptCache()
         plain = [t for r in eagle_mlx.stream_generate(model, tok, PROMPT, max_tokens=32,
@@ -68,11 +75,12 @@ def test_plain_eagle_and_lookup_equal_mlx_lm_with_a_quantized_cache(pairs, name)
         for tree in (dict(total_tokens=10, depth=3, draft_top_k=3),
                      dict(total_tokens=5, depth=3, draft_top_k=1), {}):
             cache = PromptCache()
-            out = [t for r in eagle_mlx.stream_generate(model, tok, PROMPT, max_tokens=32,
-                                                        prompt_cache=cache, **tree, **kv)
-                   for t in r.tokens]
-            assert out == expected, (kv, tree)
+            rs = list(eagle_mlx.stream_generate(model, tok, PROMPT, max_tokens=32,
+                                                prompt_cache=cache, **tree, **kv))
+            assert [t for r in rs for t in r.tokens] == expected, (kv, tree)
             assert all(isinstance(c, QuantizedKVCache) for c in cache.target)
+            if not tree:  # (auto: it speculated)
+                assert set(rs[-1].passes) - {"plain"}, rs[-1].passes
         looked_up = [t for r in eagle_mlx.stream_generate(alone, tok, PROMPT, max_tokens=32,
                                                           speculate=True, **kv)
                      for t in r.tokens]
