@@ -121,6 +121,6 @@ def test_the_readme_main_job_runs_offline(tmp_path, demo_model):
     # perhaps waited for), and kept; and it says what it chose
     measured = proc.stderr.count("measuring this machine's speculation costs")
     assert measured <= 1 and not (cached and measured), (cached, proc.stderr)
-    assert costs_path(demo_model[0]).is_file()
+    assert costs_path(demo_model[0]).is_file(), proc.stderr
     assert "Speculation: auto, " in proc.stdout and "tokens-per-sec" in proc.stdout
     assert sum(any(c.isalpha() for c in w) for w in text.split()) >= 3  # words, not noise
