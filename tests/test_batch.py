@@ -374,9 +374,9 @@ def test_greedy_rows_choose_with_the_batch_costs(pairs, monkeypatch, tmp_path):
     uids = [gen.add(p, settings=s) for p, s in zip(prompts, settings)]
     cycle, in_batch = gen._cycle, []
 
-    def recorded():
+    def recorded(**kw):
         rows = list(gen.active)
-        out = cycle()
+        out = cycle(**kw)
         in_batch.extend(s.engine.drafter.chosen(s.state.drafter) for s in rows
                         if len(rows) >= 2 and s.uid != uids[2])
         return out
@@ -391,3 +391,68 @@ def test_greedy_rows_choose_with_the_batch_costs(pairs, monkeypatch, tmp_path):
     for (tokens, _, alone_last), u in zip(ref, uids):
         assert got[u] == tokens
     assert last[uids[2]].passes == ref[2][2].passes
+
+
+def test_a_batchs_costs_that_lie_are_corrected_by_its_own_cycles(pairs, monkeypatch,
+                                                                  tmp_path):
+    """A batch's costs that price a pass as wide as a tree like a plain one (as a loaded
+    machine's measurement may) make greedy rows speculate; the batch's cycles, timed whole
+    (a clock here that charges a cycle by its width), teach the rows that they do not pay,
+    and the rows turn to plain decoding within the generation, with alone's tokens. Where
+    the clock charges what the costs say, the rows keep speculating: the change comes from
+    the timing."""
+    import eagle_mlx.decoding.batch as batch_mod
+    from eagle_mlx.costs import head_options
+    from eagle_mlx.decoding.adaptive import Costs
+
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path))
+    t, h = pairs("llama2_mha")
+    model, tok = eagle_mlx.load(str(t), eagle=str(h), lookup=True)
+    flat = {1: 2.0, 2: 2.0, 4: 2.0, 8: 2.0, 16: 2.0}
+    model.measured = Costs({n: v / 2 for n, v in flat.items()},
+                           {o.label(): 1e-4 for o in head_options(model)})
+    model.measured_batch[2] = model.measured.in_batch(flat, 2)
+    prompts = PROMPTS[3:5]
+    settings = [GenerationSettings(max_tokens=48), GenerationSettings(max_tokens=48)]
+    ref = [alone(model, tok, p, s) for p, s in zip(prompts, settings)]
+
+    def run(per_node_width):
+        width = [1]
+
+        class Clock:  # (two readings a cycle: its start and its end)
+            now, ticks = 0.0, 0
+
+            def perf_counter(self):
+                self.ticks += 1
+                if self.ticks % 2 == 0:
+                    self.now += 2.0 * (width[0] if per_node_width else 1)
+                return self.now
+
+        monkeypatch.setattr(batch_mod, "time", Clock())
+        gen = BatchGenerator(model, tok, max_batch=2)
+        uids = [gen.add(p, settings=s) for p, s in zip(prompts, settings)]
+        verify, cycles = gen._verify, []
+
+        def verify_recorded(rows, trees, speculative):
+            width[0] = max(int(x.tokens.shape[0]) for x in trees)
+            out = verify(rows, trees, speculative)
+            if len(rows) == 2:
+                cycles.append(width[0])
+            return out
+
+        gen._verify = verify_recorded
+        got = {u: [] for u in uids}
+        while gen.busy:
+            for uid, r in gen.step():
+                got[uid] += r.tokens
+        for (tokens, _, _), u in zip(ref, uids):
+            assert got[u] == tokens
+        return cycles
+
+    honest = run(per_node_width=False)
+    half = len(honest) // 2
+    assert sum(w > 1 for w in honest[half:]) >= 0.5 * len(honest[half:]), honest
+    timed = run(per_node_width=True)
+    half = len(timed) // 2
+    assert any(w > 1 for w in timed[:half]), timed  # (the costs said speculation paid)
+    assert sum(w > 1 for w in timed[half:]) <= 0.1 * len(timed[half:]), timed

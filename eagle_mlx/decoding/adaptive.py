@@ -197,6 +197,9 @@ class Costs:
         self.scale = 1.0
         self.per_node = 0.0
         self.residual: Dict[str, float] = {}
+        # a batch's row (`in_batch`): (the rows of the batch measured, its plain pass's
+        # seconds); None: a sequence's own costs
+        self.batch: Optional[tuple] = None
 
     @staticmethod
     def _curve(pts, nodes: int) -> float:
@@ -318,6 +321,8 @@ class Costs:
         out = {"verify": {str(n): s for n, s in self.verify_points},
                "draft": dict(self.draft_costs), "catch_up": self.catch_up, "at": self.at,
                "spread": {str(n): v for n, v in self.spread.items()}}
+        if self.batch is not None:
+            out["batch"] = {"rows": self.batch[0], "plain": self.batch[1]}
         if self.longer is not None:
             out["longer"] = {"at": self.longer["at"], "draft_at": self.longer["draft_at"],
                              "draft_window": self.longer["draft_window"],
@@ -327,10 +332,13 @@ class Costs:
 
     @classmethod
     def fromdict(cls, d: dict) -> "Costs":
-        return cls({int(n): float(s) for n, s in d["verify"].items()},
-                   {str(k): float(v) for k, v in d.get("draft", {}).items()},
-                   float(d.get("catch_up", 0.0)), int(d.get("at", 0)), d.get("longer"),
-                   {int(n): float(v) for n, v in d.get("spread", {}).items()})
+        out = cls({int(n): float(s) for n, s in d["verify"].items()},
+                  {str(k): float(v) for k, v in d.get("draft", {}).items()},
+                  float(d.get("catch_up", 0.0)), int(d.get("at", 0)), d.get("longer"),
+                  {int(n): float(v) for n, v in d.get("spread", {}).items()})
+        if d.get("batch") is not None:
+            out.batch = (int(d["batch"]["rows"]), float(d["batch"]["plain"]))
+        return out
 
     def in_batch(self, curve: Dict[int, float], batch: int) -> "Costs":
         """The costs of one row of a batch of `batch` rows, from the batch's verify pass of
@@ -344,7 +352,19 @@ class Costs:
         row.verify_points = sorted((int(n), float(v) - base * (batch - 1) / batch)
                                    for n, v in curve.items())
         row.spread = {}
+        row.batch = (int(batch), base)
         return row
+
+    def batch_pass(self, nodes: int, context: Optional[int] = None) -> float:
+        """Seconds of the whole verify pass of the batch this row is in, `nodes` nodes a row
+        wide, as its costs say now (a sequence's costs: its own pass)."""
+        rows, plain = self.batch or (1, 0.0)
+        return self.scale * (self.verify(nodes, context) + plain * (rows - 1) / rows) \
+            + self.per_node * (nodes - 1)
+
+    def drafting(self, option: "Option", context: Optional[int] = None) -> float:
+        """Seconds of a cycle with `option` spent drafting, as the costs say now."""
+        return self.scale * self.draft(option, context) * self.residual.get(option.label(), 1.0)
 
     def rescaled(self, ratios: Dict[int, float]) -> None:
         """The verify points timed again times their ratio to what they were (`ratios`, by
@@ -882,6 +902,40 @@ class AdaptiveDrafter(Drafter):
             holder = self.recheck if not c.packed else self.kv_costs[0].recheck
             if holder is not None:
                 holder.learned = c.costs.learned()
+
+    def drafting(self, state) -> Optional[float]:
+        c = state.choice
+        if c is None or c.option.kind not in ("head", "merged"):
+            return 0.0
+        return state.controller.costs.drafting(c.option, c.context) + c.catch_up
+
+    def observe_in_batch(self, state, accepted: List[int], seconds: Optional[float],
+                         width: int, drafting: float) -> None:
+        """A greedy row choosing with its batch's costs (`batch_costs`) charges its cycle
+        its own prediction times what the whole batch's cycle took over what the batch's
+        costs, as this row's costs hold them, predicted (`width` nodes a row: every row
+        padded to the widest tree; `drafting`: every row's drafting as its costs say): a
+        plain pass moves the drift, a lookup chain the cost of a node, a head's option its
+        residual, as a sequence's own cycles do — so costs measured on a loaded machine,
+        or a batch of a size between the measured ones, are corrected by the batch's own
+        cycles. What they teach stays with the generation (a batch's costs are not a
+        sequence's: nothing is rechecked or handed on); a sampled row's costs are as read.
+        Only the row whose tree set the batch's width learns from its time (the pass of a
+        row padded to another's tree says nothing of its own option)."""
+        if seconds is None or self.batch_costs is None or state.choice is None or \
+                state.forced is not None:
+            self.observe(state, accepted, None)
+            return
+        state.seconds, state.timed = None, False
+        state.cycles += 1
+        c = state.choice
+        costs = state.controller.costs
+        context = c.context if c.context is not None else self._context(state)
+        predicted = costs.batch_pass(width, context) + drafting
+        spent = None
+        if predicted > 0 and seconds > 0:
+            spent = costs.cycle(c.option, context) * seconds / predicted + c.catch_up
+        state.controller.update(c, accepted, spent)
 
     def _corrected(self, state) -> None:
         """The measured costs were corrected: the generation goes on with them, what the

@@ -22,6 +22,7 @@ So a sequence's tokens are those of `stream_generate` with the same settings: gr
 the same tokens; sampling, the target's distribution, and with a seed the same draws.
 """
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence as Seq, Tuple, Union
@@ -293,8 +294,8 @@ class BatchGenerator:
                 out += self._emit(joined)
                 if joined.done:  # done with its first token (max_tokens 1, or a stop token)
                     self.rows.keep(list(range(len(self.active) - 1)))
-            if self.active:
-                out += self._cycle()
+            if self.active:  # (timed where no prefill shares the step)
+                out += self._cycle(timed=joined is None and self.joining is None)
         return out
 
     def _emit(self, seq: _Sequence) -> List[Tuple[int, object]]:
@@ -365,9 +366,10 @@ class BatchGenerator:
                 s.state.drafter.controller.costs = (d.costs if size == 1
                                                     else d.batch_costs(size)).copy()
 
-    def _cycle(self) -> List[Tuple[int, object]]:
+    def _cycle(self, timed: bool = True) -> List[Tuple[int, object]]:
         rows = self.active
         self._batch_costs(rows)
+        start = time.perf_counter()
         speculative = [not s.plain and s.engine.fits(s.state) for s in rows]
         trees = self._draft(rows, speculative)
         verified, results = self._verify(rows, trees, speculative)
@@ -376,15 +378,28 @@ class BatchGenerator:
                 s.engine.decides_plain(s.state, t)
         # SYNC (once per cycle): every row's accepted nodes and next token
         mx.eval([r for pair in results for r in pair], [t.tokens for t in trees])
+        seconds = time.perf_counter() - start
+        # the batch's cycle is timed whole: each row that chose with costs learns from it
+        # what its choice's share was (`observe_in_batch`), where every row's drafting has
+        # costs to share it out by
+        sizes = [int(t.tokens.shape[0]) for t in trees]
+        drafting = [s.engine.drafter.drafting(s.state.drafter) if sp else 0.0
+                    for s, sp in zip(rows, speculative)]
+        if not timed or any(d is None for d in drafting):
+            seconds = None
+        width, drafted = max(sizes), sum(d or 0.0 for d in drafting)
         kept, out = [], []
-        for s, t, (mask, bonus), v, sp in zip(rows, trees, results, verified, speculative):
+        for s, t, (mask, bonus), v, sp, n in zip(rows, trees, results, verified, speculative,
+                                                 sizes):
             path = np.flatnonzero(np.array(mask)).tolist()
             kept.append(path)
             step = s.engine.advance(s.state, t, v, path, bonus.item())
             if not sp:
                 step.accept_length = None if s.plain else 0
-            else:  # (a batch's cycle is not one row's: its time is not the row's cost)
-                s.engine.drafter.observe(s.state.drafter, step.tokens[:-1], None)
+            else:
+                s.engine.drafter.observe_in_batch(s.state.drafter, step.tokens[:-1],
+                                                  seconds if n == width else None, width,
+                                                  drafted)
                 step.choice = s.engine.drafter.chosen(s.state.drafter)
             s.steps.append(step)
         self.target.batch_accept(self.caches, kept)

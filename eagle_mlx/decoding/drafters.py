@@ -83,6 +83,19 @@ class Drafter:
         """After a cycle: the drafted tokens the target accepted, in order, and the seconds
         the cycle took (None where it was not timed alone). Nothing here."""
 
+    def drafting(self, state) -> Optional[float]:
+        """Seconds the latest proposal spent drafting, as the drafter's costs say (a batch's
+        cycle is timed whole and shared out by them); None: it has no costs."""
+        return None
+
+    def observe_in_batch(self, state, accepted: List[int], seconds: Optional[float],
+                         width: int, drafting: float) -> None:
+        """After a cycle of a batch that took `seconds` (None: not this row's to learn
+        from: its tree was not the widest), its pass `width` nodes a row wide and its rows'
+        drafting `drafting` seconds as their costs say (`drafting`): here, as an untimed
+        cycle of its own."""
+        self.observe(state, accepted, None)
+
     def plain_ahead(self, state) -> bool:
         """Before the engine knows this cycle's tokens (a plain pass's): whether the next
         cycle is a plain pass whatever they are — then it is decided now, and the engine
