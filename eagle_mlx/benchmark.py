@@ -93,10 +93,10 @@ def build_parser():
                         "the text is plain decoding's, per dataset (default datasets: mt-bench "
                         "humaneval edit); no tree is tuned")
     p.add_argument("--measure-under-load", action="store_true",
-                   help="with --auto: first measure the costs afresh while a second process "
-                        "multiplies matrices on one core, and keep them in the cache as a run on "
-                        "a loaded machine would; the report then shows whether decoding notices "
-                        "and measures them again")
+                   help="with --auto: first measure the costs afresh (with --batch-sizes, the "
+                        "batches' too) while a second process multiplies matrices on one core, "
+                        "and keep them in the cache as a run on a loaded machine would; the "
+                        "report then shows whether decoding notices and measures them again")
     p.add_argument("--context", nargs="+", default=None, metavar="LENGTH",
                    help="measure at these context lengths (1k 4k 16k, or positions): prompts "
                         "made that long with real text (ShareGPT history before MT-bench "
@@ -273,7 +273,7 @@ def _main(argv):
         model.measured = model_costs(model, refresh=True)  # the costs, measured again
     if args.auto:
         if args.measure_under_load:
-            costs_measured_under_load(model)
+            costs_measured_under_load(model, args.batch_sizes or ())
         report = auto_report(model, tokenizer, encoded, args)
         if writes:
             _write_json(report, output)

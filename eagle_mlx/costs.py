@@ -396,16 +396,18 @@ def _read_batch_curve(f: Path) -> Optional[Dict[int, float]]:
 
 
 def batch_costs(model, batch: int,
-                say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)):
+                say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+                refresh: bool = False):
     """The costs a row of a batch of `batch` sequences chooses with (`Costs.in_batch`): the
     model's own, its verify curve the batch's (from the cache, else measured now and
-    cached)."""
+    cached; refresh: measured again)."""
     single = model.costs()
     f = costs_path(model, batch=batch)
-    curve = _read_batch_curve(f)
+    curve = None if refresh else _read_batch_curve(f)
     if not curve:
         with one_measurement_at_a_time(say):
-            curve = _read_batch_curve(f)  # (measured meanwhile by another process)
+            # (measured meanwhile by another process)
+            curve = None if refresh else _read_batch_curve(f)
             if not curve:
                 say(f"eagle_mlx: measuring this machine's verify costs for batches of {batch} "
                     f"(once; kept in {user_cache('costs')}) ...")

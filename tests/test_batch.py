@@ -346,6 +346,14 @@ def test_a_batch_verify_curve_is_measured_once_and_cached(pairs, tmp_path, monke
     said.clear()
     again = costs_mod.batch_costs(model, 4, say=said.append)  # (read back, not measured)
     assert not said and dict(again.verify_points) == curve
+    # refresh (`benchmark --measure-under-load`): measured again, and what it measured kept
+    kept = costs_mod.costs_path(model, batch=4)
+    measured = costs_mod._read_batch_curve(kept)
+    monkeypatch.setattr(costs_mod, "measure_batch", lambda m, b: {n: 2 * v for n, v in
+                                                                   measured.items()})
+    costs_mod.batch_costs(model, 4, say=said.append, refresh=True)
+    assert any("batches of 4" in m for m in said)
+    assert costs_mod._read_batch_curve(kept) == {n: 2 * v for n, v in measured.items()}
     assert row.draft_costs == model.costs().draft_costs
     assert [batch_size_measured(b) for b in (1, 2, 3, 4, 7, 8)] == [1, 2, 2, 4, 4, 8]
 

@@ -31,17 +31,34 @@ def busy_core():
         proc.wait()
 
 
-def costs_measured_under_load(model):
+def costs_measured_under_load(model, batch_sizes=()):
     """`benchmark --auto --measure-under-load`: the model's costs measured afresh while
-    another process loads the machine (`busy_core`) and written to the cache; the model then
-    reads them from the cache as the next run would, with the checks decoding makes of them."""
-    from ..costs import model_costs
+    another process loads the machine (`busy_core`) and written to the cache, and so the
+    batch's costs at every size the batches of `batch_sizes` choose with; the model then
+    reads them from the cache as the next run would, with the checks decoding makes of them
+    (a batch's: its own cycles' timing)."""
+    from ..costs import batch_costs, model_costs
 
     print("measuring the costs while another process multiplies matrices ...", file=sys.stderr)
     with busy_core():
-        model_costs(model, refresh=True)
+        model.measured = model_costs(model, refresh=True)
+        for size in batch_sizes_measured(batch_sizes):
+            batch_costs(model, size, refresh=True)
     model.measured = None
+    model.measured_batch.clear()
     return model.costs()
+
+
+def batch_sizes_measured(batch_sizes):
+    """The batch sizes whose costs batches of `batch_sizes` rows choose with as they shrink
+    (the powers of two from 2 up to each)."""
+    out = set()
+    for b in batch_sizes:
+        size = 2
+        while size <= b:
+            out.add(size)
+            size *= 2
+    return sorted(out)
 
 
 def auto_report(model, tokenizer, encoded, args) -> dict:
@@ -116,10 +133,8 @@ def auto_batch_report(model, tokenizer, encoded, args) -> dict:
 
     out = {}
     for B in sorted(set(args.batch_sizes)):
-        size = 2
-        while size <= B:  # (a batch's costs at every size its rows choose with: before timing)
-            model.costs(batch=size)
-            size *= 2
+        for size in batch_sizes_measured([B]):  # (a batch's costs at every size its rows
+            model.costs(batch=size)             # choose with: before timing)
         per_source = {}
         for src in dict.fromkeys(src for src, _ in encoded):
             ids = [x for s, x in encoded if s == src]
