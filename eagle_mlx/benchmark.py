@@ -107,6 +107,12 @@ def build_parser():
     p.add_argument("--kv-bits", type=int, default=None,
                    help="with --context: every length is measured again with the KV cache "
                         "quantized to this many bits (2, 3, 4, 5, 6 or 8)")
+    p.add_argument("--modes", nargs="+", default=None, choices=["tree", "auto", "auto-plain"],
+                   help="with --context: the modes measured beside plain decoding (default: "
+                        "all; auto-plain: auto under costs that make nothing pay, the engine's "
+                        "own plain passes)")
+    p.add_argument("--quantized-only", action="store_true",
+                   help="with --context and --kv-bits: the quantized caches' rows alone")
     p.add_argument("--kv-group-size", type=int, default=None,
                    help="with --kv-bits: the quantization's group size (32, 64 or 128; "
                         "default 64)")
@@ -157,6 +163,11 @@ def check_args(args):
     if args.measure_under_load and args.save_tuning:
         raise UsageError("--measure-under-load keeps costs measured on a loaded machine; "
                          "--save-tuning measures them again, so give one of the two.")
+    if args.context is None and (args.modes is not None or args.quantized_only):
+        raise UsageError("--modes and --quantized-only apply with --context.")
+    if args.quantized_only and args.kv_bits is None:
+        raise UsageError("--quantized-only measures the quantized caches' rows alone; give "
+                         "--kv-bits too.")
     kv = {k: getattr(args, k) for k in ("kv_bits", "kv_group_size", "quantized_kv_start")}
     if args.context is None and any(v is not None for v in kv.values()):
         raise UsageError("--kv-bits, --kv-group-size and --quantized-kv-start apply with "

@@ -97,3 +97,14 @@ def test_the_context_report_has_every_length_cache_and_mode(tmp_path, monkeypatc
         mb = {name: r["summary"]["costs"]["kv_cache_mb"] for name, r in per_kv.items()}
         assert mb["8-bit"] < 0.6 * mb["float"]  # (8 bits + scales and biases against 32)
     assert len(list((tmp_path / "cache" / "costs").glob("*.json"))) == 2  # float and 8-bit
+    # the modes and caches asked for alone
+    proc = tool("benchmark", "--model", target, "--eagle", head, "--context", "96",
+                "--num-prompts", "1", "--max-tokens", "4", "--kv-bits", "8",
+                "--kv-group-size", "32", "--modes", "auto", "--quantized-only",
+                "--output", out)
+    assert proc.returncode == 0, proc.stderr
+    per_kv = json.loads(out.read_text())["lengths"]["96"]
+    assert set(per_kv) == {"8-bit"}
+    s = per_kv["8-bit"]["summary"]
+    assert {"plain", "auto"} <= set(s) and not {"tree", "auto, plain"} & set(s)
+    assert s["auto"]["identical"] is True

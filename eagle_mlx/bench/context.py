@@ -165,14 +165,18 @@ def context_report(model, tokenizer, args, lengths: Sequence[int]) -> dict:
     tree = model.tree_settings()
     shape = {"total_tokens": tree.total_tokens, "depth": tree.depth,
              "draft_top_k": tree.draft_top_k}
+    wanted = set(getattr(args, "modes", None) or ("tree", "auto", "auto-plain"))
     modes = {"plain": dict(speculate=False)}
-    if model.head is not None:
+    if model.head is not None and "tree" in wanted:
         modes["tree"] = dict(speculate=True, **shape)
-    modes["auto"] = dict(speculate="auto")
-    if _adaptive(model):  # (the engine's plain passes, against mlx-lm's: `PLAIN_COSTS`)
-        modes["auto, plain"] = dict(speculate="auto")
+    if "auto" in wanted:
+        modes["auto"] = dict(speculate="auto")
+    if _adaptive(model) and "auto-plain" in wanted:  # (the engine's plain passes, against
+        modes["auto, plain"] = dict(speculate="auto")  # mlx-lm's: `PLAIN_COSTS`)
 
-    kvs: List[Optional[KVQuantization]] = [None] + ([args.kv] if args.kv is not None else [])
+    kvs: List[Optional[KVQuantization]] = \
+        ([] if getattr(args, "quantized_only", False) else [None]) + \
+        ([args.kv] if args.kv is not None else [])
     if _adaptive(model):
         for kv in kvs:  # (measured before anything is timed, where none are on record)
             model.costs(kv)
@@ -273,7 +277,8 @@ def _print(length, name, s) -> None:
     curve = c["verify_cost_curve"]
     modelled = c.get("modelled_verify_cost_curve")
     print(f"context {length} ({int(s['prompt_tokens'])} tokens), {name} KV: " + "; ".join(parts)
-          + f"; auto's passes {s['auto']['passes']}; verify t(k)/t(1) "
+          + (f"; auto's passes {s['auto']['passes']}" if "auto" in s else "")
+          + "; verify t(k)/t(1) "
           + ", ".join(f"{k}: {v:.2f}" for k, v in curve.items())
           + (" (modelled " + ", ".join(f"{k}: {v:.2f}" for k, v in modelled.items()) + ")"
              if modelled else "")
