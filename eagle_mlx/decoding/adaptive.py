@@ -520,6 +520,30 @@ class Controller:
                 return False
         return True
 
+    def drafting(self, choice: Choice) -> float:
+        """Seconds the cycle of `choice` drafts, its catching up included, as the costs say."""
+        if choice.option.kind not in ("head", "merged"):
+            return 0.0
+        return self.costs.drafting(choice.option, choice.context) + choice.catch_up
+
+    def update_in_batch(self, choice: Choice, accepted: Sequence[int], seconds: float,
+                        width: int, drafting: float) -> None:
+        """What a row's cycle in a batch accepted, and the whole batch's cycle `seconds`
+        (its pass `width` nodes a row, every row padded to the widest tree; `drafting`: all
+        rows' drafting as their costs say): the row's choice is charged its own prediction
+        times the cycle's time over what the batch's costs, as this row holds them, said
+        the whole cycle would take — a plain pass moves the drift, a lookup chain the cost
+        of a node, a head's option its residual, as a sequence's own cycles do, so costs
+        measured on a loaded machine, or a batch between measured sizes, are corrected by
+        the batch's cycles. (Only the row whose tree set the width is handed its time: a
+        row padded to another's tree says nothing of its own option.)"""
+        predicted = self.costs.batch_pass(width, choice.context) + drafting
+        spent = None
+        if predicted > 0 and seconds > 0:
+            spent = self.costs.cycle(choice.option, choice.context) * seconds / predicted \
+                + choice.catch_up
+        self.update(choice, accepted, spent)
+
     def update(self, choice: Choice, accepted: Sequence[int],
                seconds: Optional[float] = None) -> None:
         """What the cycle of `choice` accepted (the drafted tokens, in order), and how long
@@ -669,6 +693,17 @@ class AdaptiveState:
     def pending(self) -> int:
         return sum(int(t.shape[0]) for t in self.tokens)
 
+    def keep_pending(self, keep: int) -> None:
+        """The first `keep` pending positions kept, the rest cut."""
+        feats, tokens = [], []
+        for f, t in zip(self.feats, self.tokens):
+            n = min(int(t.shape[0]), keep)
+            if n > 0:
+                feats.append(f[:n])
+                tokens.append(t[:n])
+            keep -= n
+        self.feats, self.tokens = feats, tokens
+
 
 class AdaptiveDrafter(Drafter):
     """Speculation that chooses every cycle (see the module docstring): plain, lookup, the
@@ -752,16 +787,8 @@ class AdaptiveDrafter(Drafter):
         LookupDrafter().truncate(state.lookup, length)
         if self.head is None:
             return
-        seen = state.head.offset
-        if length >= seen:  # cut the pending positions back
-            keep, feats, tokens = length - seen, [], []
-            for f, t in zip(state.feats, state.tokens):
-                n = min(int(t.shape[0]), keep)
-                if n > 0:
-                    feats.append(f[:n])
-                    tokens.append(t[:n])
-                keep -= n
-            state.feats, state.tokens = feats, tokens
+        if length >= state.head.offset:
+            state.keep_pending(length - state.head.offset)
         else:
             state.head.truncate(length)
             state.feats, state.tokens = [], []
@@ -904,38 +931,20 @@ class AdaptiveDrafter(Drafter):
                 holder.learned = c.costs.learned()
 
     def drafting(self, state) -> Optional[float]:
-        c = state.choice
-        if c is None or c.option.kind not in ("head", "merged"):
-            return 0.0
-        return state.controller.costs.drafting(c.option, c.context) + c.catch_up
+        return 0.0 if state.choice is None else state.controller.drafting(state.choice)
 
     def observe_in_batch(self, state, accepted: List[int], seconds: Optional[float],
                          width: int, drafting: float) -> None:
-        """A greedy row choosing with its batch's costs (`batch_costs`) charges its cycle
-        its own prediction times what the whole batch's cycle took over what the batch's
-        costs, as this row's costs hold them, predicted (`width` nodes a row: every row
-        padded to the widest tree; `drafting`: every row's drafting as its costs say): a
-        plain pass moves the drift, a lookup chain the cost of a node, a head's option its
-        residual, as a sequence's own cycles do — so costs measured on a loaded machine,
-        or a batch of a size between the measured ones, are corrected by the batch's own
-        cycles. What they teach stays with the generation (a batch's costs are not a
-        sequence's: nothing is rechecked or handed on); a sampled row's costs are as read.
-        Only the row whose tree set the batch's width learns from its time (the pass of a
-        row padded to another's tree says nothing of its own option)."""
+        """A greedy row choosing with its batch's costs (`batch_costs`) learns from the
+        batch's cycle as a sequence does from its own (`Controller.update_in_batch`); what
+        it learns stays with the generation (nothing rechecked or handed on)."""
         if seconds is None or self.batch_costs is None or state.choice is None or \
                 state.forced is not None:
             self.observe(state, accepted, None)
             return
         state.seconds, state.timed = None, False
         state.cycles += 1
-        c = state.choice
-        costs = state.controller.costs
-        context = c.context if c.context is not None else self._context(state)
-        predicted = costs.batch_pass(width, context) + drafting
-        spent = None
-        if predicted > 0 and seconds > 0:
-            spent = costs.cycle(c.option, context) * seconds / predicted + c.catch_up
-        state.controller.update(c, accepted, spent)
+        state.controller.update_in_batch(state.choice, accepted, seconds, width, drafting)
 
     def _corrected(self, state) -> None:
         """The measured costs were corrected: the generation goes on with them, what the

@@ -83,6 +83,19 @@ def _root_tree(root: mx.array) -> Tree:
     return Tree(root.reshape(1).astype(mx.int32), z, mx.ones((1, 1), dtype=mx.bool_), z)
 
 
+def _timing(rows, trees, speculative, seconds: Optional[float]):
+    """A batch's cycle is timed whole, and each row that chose with costs learns its
+    choice's share of it (`Drafter.observe_in_batch`): the cycle's `seconds` (None where
+    some row's drafting has no costs to share it out by, or it was not timed), each row's
+    tree size, the widest, and all rows' drafting as their costs say."""
+    drafting = [s.engine.drafter.drafting(s.state.drafter) if sp else 0.0
+                for s, sp in zip(rows, speculative)]
+    if any(d is None for d in drafting):
+        seconds = None
+    sizes = [int(t.tokens.shape[0]) for t in trees]
+    return seconds, sizes, max(sizes), sum(d or 0.0 for d in drafting)
+
+
 def _padded(trees: List[Tree]):
     """Every row's tree padded to the widest: tokens, depths [B, T] and ancestor masks
     [B, T, T] (a padding node sees only itself); and each tree's own size."""
@@ -378,16 +391,8 @@ class BatchGenerator:
                 s.engine.decides_plain(s.state, t)
         # SYNC (once per cycle): every row's accepted nodes and next token
         mx.eval([r for pair in results for r in pair], [t.tokens for t in trees])
-        seconds = time.perf_counter() - start
-        # the batch's cycle is timed whole: each row that chose with costs learns from it
-        # what its choice's share was (`observe_in_batch`), where every row's drafting has
-        # costs to share it out by
-        sizes = [int(t.tokens.shape[0]) for t in trees]
-        drafting = [s.engine.drafter.drafting(s.state.drafter) if sp else 0.0
-                    for s, sp in zip(rows, speculative)]
-        if not timed or any(d is None for d in drafting):
-            seconds = None
-        width, drafted = max(sizes), sum(d or 0.0 for d in drafting)
+        seconds, sizes, width, drafted = _timing(rows, trees, speculative, time.perf_counter()
+                                                 - start if timed else None)
         kept, out = [], []
         for s, t, (mask, bonus), v, sp, n in zip(rows, trees, results, verified, speculative,
                                                  sizes):
