@@ -19,8 +19,10 @@ head's tree merged with the lookup branches. For each:
 Exploration: an option that does not pay is not drafted, so its estimate would never
 change; it is tried again from an exploration budget that grows by EXPLORE of every cycle's
 time, each try spending what it is expected to cost beyond the best option (the time its
-expected tokens would take at the best option's rate). A sequence where nothing pays loses
-at most about EXPLORE of its time; a try that shows the head pays makes it the choice at
+expected tokens would take at the best option's rate) and, once run, what it really lost
+beyond that (the time it overran, the tokens it fell short by at that rate: a hopeful prior
+spends no more than its share). A sequence where nothing pays loses at most about EXPLORE
+of its time; a try that shows the head pays makes it the choice at
 once. Lookup chains are tried so too where the context's end occurred before and plain
 decoding is the choice (half the budget is theirs then, half the head's): costs measured on
 a loaded machine can make a pass over a few tokens look dearer than it is, and only a
@@ -394,6 +396,8 @@ class Choice:
     match: int = 0               # the lookup match its lookup part copies after
     copied: List[int] = field(default_factory=list)  # the lookup tokens it may draft
     probe: bool = False          # a try of a head or lookup option that did not pay
+    against: float = 0.0         # a try's: the rate of the option it displaced
+    charged: float = 0.0         # ... and the exploration budget it was charged when chosen
     catch_up: float = 0.0        # of `seconds`, the head's catching up
     context: Optional[int] = None  # the positions before the cycle (None: not known)
 
@@ -501,8 +505,8 @@ class Controller:
             self.budget[kind] = min(self.budget[kind], 2 * max(extra, 0.0))  # (no bursts)
             if trial is not None and extra <= self.budget[kind]:
                 self.budget[kind] -= max(extra, 0.0)
+                trial.probe, trial.against, trial.charged = True, best.rate, max(extra, 0.0)
                 best = trial
-                best.probe = True
                 break
         if best.option.kind in ("lookup", "merged"):
             best.copied = list(copied)
@@ -559,9 +563,11 @@ class Controller:
             self.budget["head"] += share * EXPLORE * spent
         if self.lookup_open:
             self.budget["lookup"] += share * EXPLORE * spent
-        if choice.probe and seconds is not None:  # a try that cost more than expected (a
-            pot = "lookup" if o.kind == "lookup" else "head"  # long catch-up) pays it too
-            self.budget[pot] -= max(seconds - choice.seconds, 0.0)
+        if choice.probe:  # a try pays what it lost against the option it displaced: beyond
+            # its charge when chosen, the time it overran (a long catch-up) and the tokens it
+            # fell short by (a hopeful estimate) at that option's rate, or gets back a gain
+            pot = "lookup" if o.kind == "lookup" else "head"
+            self.budget[pot] -= spent - (n + 1) / choice.against - choice.charged
         copied = choice.copied[: o.depth]
         from_lookup = 0  # the accepted tokens the lookup draft holds too
         while from_lookup < min(n, len(copied)) and copied[from_lookup] == accepted[from_lookup]:
