@@ -92,6 +92,10 @@ def build_parser():
                         "interleaved on every prompt: tokens/s, tau, what it chose and whether "
                         "the text is plain decoding's, per dataset (default datasets: mt-bench "
                         "humaneval edit); no tree is tuned")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --auto: decode every prompt this many times in each mode, the "
+                        "pair's order turning each round (plain, auto, auto, plain ...), so a "
+                        "machine whose speed drifts weighs on both alike")
     p.add_argument("--measure-under-load", action="store_true",
                    help="with --auto: first measure the costs afresh (with --batch-sizes, the "
                         "batches' too) while a second process multiplies matrices on one core, "
@@ -158,6 +162,10 @@ def check_args(args):
             if getattr(args, flag, None):
                 raise UsageError(f"--context measures on its own; {flag_name(flag)} does not "
                                  "apply with it.")
+    if args.rounds < 1:
+        raise UsageError(f"--rounds must be at least 1 (got {args.rounds}).")
+    if args.rounds > 1 and not args.auto:
+        raise UsageError("--rounds applies with --auto.")
     if args.measure_under_load and not args.auto:
         raise UsageError("--measure-under-load applies with --auto.")
     if args.measure_under_load and args.save_tuning:

@@ -842,3 +842,52 @@ def test_timing_points_again_spends_a_bounded_share_on_a_cpu_like_curve(pair, tm
     assert model.costs().verify(1) == pytest.approx(0.1)
     assert 2 in recheck.timed and 16 not in recheck.timed, recheck.timed
     assert sum(spent) <= (1 + RECHECK_SHARE) * 0.1 * (len(out) - 1) + 1e-9, sum(spent)
+
+
+def test_the_auto_benchmark_turns_the_order_every_round(pair, tmp_path, monkeypatch):
+    """`benchmark --auto --rounds 2`: every prompt is decoded twice in each mode, the pair's
+    order turning each time (plain, auto, auto, plain on the first prompt; auto first on
+    the second), and the report's speeds are the runs' tokens over their seconds, summed
+    over the prompts and rounds, with the median of the prompts' own ratios beside them."""
+    import json
+    import statistics
+
+    import eagle_mlx.bench.auto as bench_auto
+    from tiny import tool
+
+    monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path / "cache"))
+    target, head = pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n"
+                               for p in ("t5 t9 t11 t20", "t7 t8 t7 t8 t7")))
+    order, timed = [], bench_auto.timed_generation
+
+    def recorded(model, tok, ids, **kw):
+        order.append((tuple(ids), "auto" if kw["speculate"] == "auto" else "plain"))
+        return timed(model, tok, ids, **kw)
+
+    monkeypatch.setattr(bench_auto, "timed_generation", recorded)
+    out = tmp_path / "auto.json"
+    proc = tool("benchmark", "--model", target, "--eagle", head, "--auto", "--rounds", "2",
+                "--prompts", prompts, "--num-prompts", "2", "--max-tokens", "8",
+                "--ignore-chat-template", "--output", out)
+    assert proc.returncode == 0, proc.stderr
+    first, second = dict.fromkeys(ids for ids, _ in order)
+    assert [(ids == first, m) for ids, m in order] == [
+        (True, "plain"), (True, "auto"), (True, "auto"), (True, "plain"),
+        (False, "auto"), (False, "plain"), (False, "plain"), (False, "auto")]
+    t = json.loads(out.read_text())["temps"]["0.0"]
+    rows, s = t["prompts"], t["summary"]["p.jsonl"]
+
+    def speed(runs):
+        return sum(len(g["tokens"]) - 1 for g in runs) / sum(g["seconds"] for g in runs)
+
+    assert all(len(r["plain"]) == len(r["auto"]) == 2 and r["identical"] for r in rows)
+    for m in ("plain", "auto"):
+        assert s[f"{m}_tokens_per_second"] == pytest.approx(speed([g for r in rows
+                                                                   for g in r[m]]))
+    assert s["ratio"] == pytest.approx(s["auto_tokens_per_second"] /
+                                       s["plain_tokens_per_second"])
+    assert s["median_prompt_ratio"] == pytest.approx(statistics.median(
+        speed(r["auto"]) / speed(r["plain"]) for r in rows))
+    assert s["identical"] is True and sum(s["passes"].values()) > 0

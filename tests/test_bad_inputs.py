@@ -238,6 +238,8 @@ CASES = [
     ("benchmark", BENCH + ["--context", "100", "--quantized-only"], 2, "give --kv-bits too"),
     ("benchmark", BENCH + ["--context", "100", "--modes", "fast"], 2, "invalid choice"),
     ("benchmark", BENCH + ["--measure-under-load"], 2, "applies with --auto"),
+    ("benchmark", BENCH + ["--rounds", "2"], 2, "--rounds applies with --auto"),
+    ("benchmark", BENCH + ["--auto", "--rounds", "0"], 2, "--rounds must be at least 1"),
     ("benchmark", BENCH + ["--auto", "--measure-under-load", "--save-tuning"], 2,
      "give one of the two"),
     ("benchmark", BENCH + ["--context", "100", "--kv-bits", "7"], 2, "--kv-bits must be one of"),

@@ -2,6 +2,7 @@
 prompt, one sequence at a time and in batches."""
 
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -63,56 +64,57 @@ def batch_sizes_measured(batch_sizes):
 
 def auto_report(model, tokenizer, encoded, args) -> dict:
     """Plain decoding and adaptive speculation, interleaved on every prompt at every
-    temperature, each first by turns (the machine's drift hits both alike); per dataset the tokens/s of each
-    (the tokens after the prefill's over their time, summed over the prompts), their ratio, tau, what auto chose, and whether its text
-    is plain decoding's (greedy)."""
+    temperature, `--rounds` times each, the pair's order turning every time (plain first on
+    the first prompt's first round, auto on its second or the next prompt's: the machine's
+    drift hits both alike); per dataset the tokens/s of each (the tokens after the prefill's
+    over their time, summed over the prompts and rounds), their ratio, the median of the
+    prompts' own ratios, tau, what auto chose, and whether its text is plain decoding's
+    every time (greedy)."""
     costs = model.costs()
+    rounds = getattr(args, "rounds", 1)
     report = {"machine": machine(), "model": str(model.target.path), "eagle": model.head_path,
-              "max_tokens": args.max_tokens, "costs": costs.asdict(), "temps": {},
-              "rechecked": [],
+              "max_tokens": args.max_tokens, "rounds": rounds, "costs": costs.asdict(),
+              "temps": {}, "rechecked": [],
               "measured_under_load": bool(getattr(args, "measure_under_load", False))}
     notes = [] if costs.recheck is None else costs.recheck.notes
     for temp in args.temps:
         rows = []
         for i, (src, ids) in enumerate(encoded):
-            row = {"source": src, "prompt_tokens": len(ids)}
-            modes = (("plain", False), ("auto", "auto"))
-            for name, speculate in modes[:: 1 if i % 2 == 0 else -1]:  # (each first by turns)
-                row[name] = timed_generation(model, tokenizer, ids, max_tokens=args.max_tokens,
-                                             temp=temp, seed=args.seed + i,
-                                             speculate=speculate)
-            a, p = row["auto"], row["plain"]
+            row = {"source": src, "prompt_tokens": len(ids), "plain": [], "auto": []}
+            for r in range(rounds):
+                modes = (("plain", False), ("auto", "auto"))
+                for name, speculate in modes[:: 1 if (i + r) % 2 == 0 else -1]:
+                    row[name].append(timed_generation(
+                        model, tokenizer, ids, max_tokens=args.max_tokens, temp=temp,
+                        seed=args.seed + i, speculate=speculate))
             for note in notes[len(report["rechecked"]):]:  # (the costs checked in decoding)
                 report["rechecked"].append({"prompt": i + 1, "temp": temp, "note": note})
                 print(f"[{src} {i + 1}/{len(encoded)} temp {temp}] {note}", file=sys.stderr)
-            row["identical"] = a["tokens"] == p["tokens"] if temp == 0 else None
+            row["identical"] = all(a["tokens"] == p["tokens"] for a in row["auto"]
+                                   for p in row["plain"]) if temp == 0 else None
+            row["ratio"] = _speed(row["auto"]) / _speed(row["plain"])
             rows.append(row)
+            passes = _passes(row["auto"])
             print(f"[{src} {i + 1}/{len(encoded)} temp {temp}] plain "
-                  f"{(len(p['tokens']) - 1) / p['seconds']:.2f} tok/s, auto "
-                  f"{(len(a['tokens']) - 1) / a['seconds']:.2f} tok/s, tau "
-                  f"{len(a['tokens']) / max(a['target_forwards'], 1):.2f}, {a['passes']}",
-                  file=sys.stderr)
+                  f"{_speed(row['plain']):.2f} tok/s, auto {_speed(row['auto']):.2f} tok/s, "
+                  f"tau {_tau(row['auto']):.2f}, {passes}"
+                  + (f" ({rounds} rounds)" if rounds > 1 else ""), file=sys.stderr)
         summary = {}
         for src in dict.fromkeys(r["source"] for r in rows):
             mine = [r for r in rows if r["source"] == src]
-            tps = {m: sum(len(r[m]["tokens"]) - 1 for r in mine) /
-                   sum(r[m]["seconds"] for r in mine) for m in ("plain", "auto")}
-            passes = {}
-            for r in mine:
-                for k, n in r["auto"]["passes"].items():
-                    passes[k] = passes.get(k, 0) + n
+            tps = {m: _speed([g for r in mine for g in r[m]]) for m in ("plain", "auto")}
+            autos = [g for r in mine for g in r["auto"]]
             summary[src] = {
                 "plain_tokens_per_second": tps["plain"], "auto_tokens_per_second": tps["auto"],
                 "ratio": tps["auto"] / tps["plain"],
-                "tau": sum(len(r["auto"]["tokens"]) for r in mine) /
-                max(sum(r["auto"]["target_forwards"] for r in mine), 1),
-                "passes": passes,
+                "median_prompt_ratio": statistics.median(r["ratio"] for r in mine),
+                "tau": _tau(autos), "passes": _passes(autos),
                 "identical": all(r["identical"] for r in mine) if temp == 0 else None}
             s = summary[src]
             print(f"temp {temp} {src}: plain {s['plain_tokens_per_second']:.2f} tok/s, auto "
-                  f"{s['auto_tokens_per_second']:.2f} tok/s ({s['ratio']:.2f}x), tau "
-                  f"{s['tau']:.2f}, passes {passes}"
-                  + ("" if temp else f", identical to plain: {s['identical']}"))
+                  f"{s['auto_tokens_per_second']:.2f} tok/s ({s['ratio']:.2f}x; the prompts' "
+                  f"median {s['median_prompt_ratio']:.2f}x), tau {s['tau']:.2f}, passes "
+                  f"{s['passes']}" + ("" if temp else f", identical to plain: {s['identical']}"))
         report["temps"][str(temp)] = {"summary": summary, "prompts": rows}
     if costs.recheck is not None and costs.recheck.done and not report["rechecked"]:
         print("costs checked while decoding: as measured (passes over the costs: " + ", ".join(
@@ -121,6 +123,23 @@ def auto_report(model, tokenizer, encoded, args) -> dict:
     if args.batch_sizes:
         report["batch"] = auto_batch_report(model, tokenizer, encoded, args)
     return report
+
+
+def _speed(runs) -> float:
+    """Tokens/s of timed generations together (each one's tokens after the prefill's)."""
+    return sum(len(g["tokens"]) - 1 for g in runs) / max(sum(g["seconds"] for g in runs), 1e-9)
+
+
+def _tau(runs) -> float:
+    return sum(len(g["tokens"]) for g in runs) / max(sum(g["target_forwards"] for g in runs), 1)
+
+
+def _passes(runs) -> dict:
+    out = {}
+    for g in runs:
+        for k, n in g["passes"].items():
+            out[k] = out.get(k, 0) + n
+    return out
 
 
 def auto_batch_report(model, tokenizer, encoded, args) -> dict:
