@@ -855,8 +855,13 @@ def test_the_auto_benchmark_turns_the_order_every_round(pair, tmp_path, monkeypa
     import eagle_mlx.bench.auto as bench_auto
     from tiny import tool
 
+    from eagle_mlx.costs import costs_path
+
     monkeypatch.setenv("EAGLE_MLX_CACHE", str(tmp_path / "cache"))
     target, head = pair
+    model, _ = eagle_mlx.load(str(target), eagle=str(head))  # (costs on record: none measured)
+    costs_path(model).parent.mkdir(parents=True, exist_ok=True)
+    costs_path(model).write_text(json.dumps({"costs": Costs({1: 1.0, 2: 1.1, 4: 1.2}).asdict()}))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n"
                                for p in ("t5 t9 t11 t20", "t7 t8 t7 t8 t7")))
