@@ -109,8 +109,8 @@ def peer_lost(e: BaseException) -> Optional[str]:
     """The sentence for a communication failure (a rank that died or disappeared; of two
     ranks, the other one is named)."""
     text, g = str(e), (_group[0] if _group else None)
-    if isinstance(e, RuntimeError) and (text.startswith("[ring]") or text.startswith("[mpi]")
-                                        or text.startswith("[jaccl]")):
+    if isinstance(e, RuntimeError) and text.startswith(("[ring]", "[mpi]", "[jaccl]",
+                                                         "[collective]")):
         which = f"rank {1 - g.rank()}: " if g is not None and g.size() == 2 else ""
         return ("another rank of the distributed run stopped or became unreachable "
                 f"({which}{text.split('] ', 1)[-1]}).")

@@ -267,3 +267,43 @@ def test_sigterm_ends_a_rank_at_once_even_inside_an_evaluation():
     assert err.strip().splitlines()[-1] == (
         "error: rank 0 stopped: another rank of the distributed run ended, or the run was "
         "interrupted."), err
+
+
+def test_a_collective_that_one_rank_alone_took_part_in_is_a_lost_peer(monkeypatch):
+    """Every cycle of adaptive speculation hands rank 0's timing to every rank in one
+    all_sum, which also counts the ranks that took part: two ranks give rank 0's seconds
+    on both; a collective that comes back holding this rank's own part alone (as MLX's
+    ring left rank 0 once its peer was killed: decoding on with half a model) is a lost
+    peer, in the sentence the tools end with."""
+    import mlx.core as mx
+
+    from eagle_mlx import distributed
+    from eagle_mlx.decoding.adaptive import rank0_seconds
+
+    class Rank:
+        def __init__(self, rank):
+            self._rank = rank
+
+        def rank(self):
+            return self._rank
+
+        def size(self):
+            return 2
+
+    parts = {}
+
+    def both_ranks(x, group=None):  # (each rank's part, summed as two live ranks would)
+        parts[group.rank()] = x
+        other = mx.array([0.25 if group.rank() else 0.0, 1.0])  # (rank 0 timed 0.25 s)
+        return x + other
+
+    monkeypatch.setattr(mx.distributed, "all_sum", both_ranks)
+    assert rank0_seconds(Rank(0), 0.25) == 0.25 and rank0_seconds(Rank(1), 9.0) == 0.25
+    assert parts[1].tolist() == [0.0, 1.0]  # (rank 1's own timing is not in the sum)
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda x, group=None: x)  # (alone)
+    with pytest.raises(RuntimeError) as e:
+        rank0_seconds(Rank(0), 0.25)
+    monkeypatch.setattr(distributed, "_group", [Rank(0)])
+    assert distributed.peer_lost(e.value) == (
+        "another rank of the distributed run stopped or became unreachable (rank 1: 1 of 2 "
+        "ranks took part in a collective).")

@@ -677,6 +677,20 @@ class Recheck:
         self.done = not self.queue and len(self.plain) >= PLAIN_SAMPLES
 
 
+def rank0_seconds(group, seconds: float) -> float:
+    """Rank 0's `seconds` on every rank of `group` (so every rank decides alike), and a
+    check that every rank took part: where a rank has died, a collective can come back
+    holding this rank's own part alone (MLX's ring, once it fails its pending tasks, left a
+    rank decoding with half a model), which is raised as a lost peer (`distributed.peer_lost`)
+    instead."""
+    mine = seconds if group.rank() == 0 else 0.0
+    total, ranks = mx.distributed.all_sum(mx.array([mine, 1.0]), group=group).tolist()
+    if round(ranks) != group.size():
+        raise RuntimeError(f"[collective] {round(ranks)} of {group.size()} ranks took part in "
+                           "a collective")
+    return total
+
+
 # ---------------------------------------------------------------------------- the drafter
 class AdaptiveState:
     """One sequence's state under the adaptive drafter: the head's (None without a head),
@@ -907,9 +921,8 @@ class AdaptiveDrafter(Drafter):
         return n if n is not None and n - 1 <= self.max_lookup else None
 
     def observe(self, state, accepted: List[int], seconds: Optional[float]) -> None:
-        if self.group is not None and seconds is not None:  # (rank 0's, on every rank)
-            mine = seconds if self.group.rank() == 0 else 0.0
-            seconds = mx.distributed.all_sum(mx.array([mine]), group=self.group).item()
+        if self.group is not None and seconds is not None:
+            seconds = rank0_seconds(self.group, seconds)
         state.seconds = seconds
         state.cycles += 1
         state.timed = seconds is not None
